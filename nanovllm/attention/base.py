@@ -1,0 +1,75 @@
+"""The attention-backend interface and the per-step forward context.
+
+A backend owns two things: turning a scheduled batch into its own metadata
+(`prepare`), and running attention for one layer over the paged KV cache
+(`forward`). The model runner sets the forward context around each model call; the
+`Attention` layer reads it, so model code stays free of cache bookkeeping.
+"""
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """Per-step description of the flat token batch, built by the model runner with numpy.
+
+    Sequences are laid out back to back in the flat batch; sequence i owns query rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] and sees context_lens[i] keys (cached + new).
+    """
+
+    query_lens: "list[int]"
+    context_lens: torch.Tensor  # [B] int32, keys visible to each sequence after this step
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with -1
+    max_query_len: int
+    max_context_len: int
+
+
+class AttentionBackend(ABC):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+
+    @abstractmethod
+    def prepare(self, layout: BatchLayout) -> object:
+        """Build this backend's metadata for one step (shared by all layers)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object, scale: float) -> torch.Tensor:
+        """Write the new k/v into the cache, then attend.
+
+        q: [T, H, D], k/v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D].
+        """
+
+
+@dataclass
+class ForwardContext:
+    backend: AttentionBackend
+    metadata: object
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(backend: AttentionBackend, metadata: object):
+    global _context
+    previous, _context = _context, ForwardContext(backend, metadata)
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("attention ran outside forward_context(); the model runner sets it for each step")
+    return _context
