@@ -1,0 +1,119 @@
+"""Engine configuration: the `LLM(...)` keyword arguments, validated and resolved.
+
+Resolving means: find the checkpoint (HF directory, .gguf file or the default-model
+alias), read its config, pick device and dtype, and settle the scheduler limits.
+Every problem is reported here, before any weight is loaded.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Share of available RAM that the CPU KV cache takes when kv_cache_memory_gb is not given.
+CPU_KV_CACHE_RAM_SHARE = 0.2
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with AMX-BF16 or AVX512-BF16, where bf16 matmuls beat fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    # Resolved in __post_init__.
+    model_path: str = field(init=False)
+    is_gguf: bool = field(init=False)
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self):
+        self._resolve_model()
+        self._resolve_device_and_dtype()
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            self.max_model_len = max_pos or 4096
+        _check_int("max_model_len", self.max_model_len, 1)
+        if max_pos and self.max_model_len > max_pos:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_pos}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("kvcache_block_size", self.kvcache_block_size, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.num_kvcache_blocks is not None:
+            _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    def _resolve_model(self):
+        from nanovllm.loader.gguf import DEFAULT_MODEL_ALIAS, default_model_path, load_gguf_config
+
+        model = self.model
+        if model is None or model == DEFAULT_MODEL_ALIAS:
+            model = default_model_path()
+        model = os.path.expanduser(str(model))
+        if not os.path.exists(model):
+            raise FileNotFoundError(f"model not found: {model!r} (expected a Hugging Face model directory, "
+                                    f"a .gguf file, or the alias {DEFAULT_MODEL_ALIAS!r})")
+        self.model_path = model
+        self.is_gguf = os.path.isfile(model) and model.endswith(".gguf")
+        if self.is_gguf:
+            self.hf_config = load_gguf_config(model)
+            return
+        if not os.path.isdir(model):
+            raise ValueError(f"model {model!r} is neither a directory nor a .gguf file")
+        config_file = os.path.join(model, "config.json")
+        if not os.path.isfile(config_file):
+            raise ValueError(f"model directory {model!r} has no config.json")
+        try:
+            self.hf_config = AutoConfig.from_pretrained(model)
+        except (ValueError, OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"model directory {model!r} has a malformed config.json: {e}") from e
+
+    def _resolve_device_and_dtype(self):
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA device is available")
+        if self.dtype == "auto":
+            if self.device == "cuda":
+                self.dtype = "bfloat16"
+            else:
+                self.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {self.dtype!r}")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("dtype='float16' is not supported on CPU; use 'bfloat16' or 'float32'")
+        self.torch_dtype = DTYPES[self.dtype]
+
+
+def _check_int(name: str, value, minimum: int):
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

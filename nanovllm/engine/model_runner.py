@@ -1,0 +1,148 @@
+"""Runs the model for one scheduled batch: builds the flat step tensors, runs the forward
+pass under the attention backend's metadata, computes logits only for the positions
+that sample, and samples.
+
+It also owns the model weights and the paged KV cache (one [num_blocks, block_size,
+kv_heads, head_dim] tensor each for K and V per layer, sliced into the attention layers).
+"""
+
+import os
+
+import numpy as np
+import torch
+
+from nanovllm.attention.base import BatchLayout, forward_context
+from nanovllm.attention.torch_native import TorchNativeBackend
+from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
+from nanovllm.distributed.parallel_state import SINGLE, TPGroup
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.loader.weights import load_weights
+from nanovllm.models.registry import get_model_class
+
+GiB = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp_group: TPGroup = SINGLE):
+        self.config = config
+        self.tp_group = tp_group
+        self.device = torch.device(config.device)
+        self.block_size = config.kvcache_block_size
+        self.model = self._load_model()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        first = self.attn_layers[0]
+        self.backend = TorchNativeBackend(first.num_heads, first.num_kv_heads, first.head_dim, self.block_size)
+        self.num_kvcache_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    def _load_model(self) -> torch.nn.Module:
+        config = self.config
+        model_cls = get_model_class(config.hf_config)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(config.hf_config, self.tp_group)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.is_gguf:
+            from nanovllm.loader.gguf import iter_gguf_weights
+            weights = iter_gguf_weights(config.model_path, config.torch_dtype)
+        else:
+            from nanovllm.loader.safetensors import iter_safetensors
+            weights = iter_safetensors(config.model_path)
+        load_weights(model, weights)
+        return model.eval()
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        first = self.attn_layers[0]
+        elem = torch.empty(0, dtype=self.config.torch_dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * first.num_kv_heads * first.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        per_block = self.kv_bytes_per_block
+        if config.num_kvcache_blocks is not None:
+            num_blocks = config.num_kvcache_blocks
+        elif config.kv_cache_memory_gb is not None:
+            num_blocks = int(config.kv_cache_memory_gb * GiB) // per_block
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * config.gpu_memory_utilization - (total - free)
+            num_blocks = int(budget) // per_block
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            num_blocks = int(available * CPU_KV_CACHE_RAM_SHARE) // per_block
+        needed = -(-config.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one sequence of "
+                f"max_model_len={config.max_model_len} tokens needs {needed} blocks "
+                f"({needed * per_block / GiB:.3f} GiB); give more memory (kv_cache_memory_gb / "
+                f"num_kvcache_blocks / gpu_memory_utilization) or lower max_model_len")
+        return num_blocks
+
+    def _allocate_kv_cache(self):
+        first = self.attn_layers[0]
+        shape = (len(self.attn_layers), self.num_kvcache_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        # Zeroed, not empty: padded attention lanes read unused slots, and 0 * NaN garbage is NaN.
+        self.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        context_lens, sample_rows, temperatures = [], [], []
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = np.full((len(batch), max_blocks), -1, dtype=np.int32)
+        row = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            block_tables[i, :len(table)] = table
+            context_lens.append(end)
+            row += n
+            if batch.samples(i):
+                sample_rows.append(row - 1)
+                temperatures.append(seq.sampling_params.temperature)
+        query_lens = batch.num_new_tokens
+        cu_seqlens = np.zeros(len(batch) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu_seqlens[1:])
+        dev = self.device
+        layout = BatchLayout(
+            query_lens=list(query_lens),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.from_numpy(cu_seqlens).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+        )
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.from_numpy(np.concatenate(positions)).to(dev),
+                layout,
+                torch.tensor(sample_rows, dtype=torch.long, device=dev),
+                torch.tensor(temperatures, dtype=torch.float32, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; returns one sampled token per sequence that samples, in batch order."""
+        input_ids, positions, layout, sample_rows, temperatures = self._prepare(batch)
+        metadata = self.backend.prepare(layout)
+        with forward_context(self.backend, metadata):
+            hidden = self.model(input_ids, positions)
+        if sample_rows.numel() == 0:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return self.sampler(logits, temperatures, self.generator).tolist()

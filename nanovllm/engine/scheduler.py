@@ -1,0 +1,127 @@
+"""Continuous batching: decides, each step, which sequences run and how many tokens each.
+
+One token budget (`max_num_batched_tokens`) per step is shared by running sequences
+first (a decode is one token; an unfinished prompt continues with a chunk) and then by
+waiting prompts, chunked to fit, so a long prompt never stalls running sequences. When
+blocks run out, the newest running sequence is preempted by recompute. Pure Python:
+no tensors here.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's plan: sequences in batch order and how many new tokens each computes."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last token this step, so a token is sampled for it."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: set[int]):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first: preemption takes from the end
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [])
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+        # Admitting new work right after a preemption would only thrash the pool.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            self.prefix_cache_hit_tokens += len(cached) * self.block_manager.block_size
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence):
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Advance the batch after its step ran; `sampled` holds one token per sampling sequence.
+
+        Returns the sequences that finished."""
+        finished = []
+        tokens = iter(sampled)
+        for i, seq in enumerate(batch.seqs):
+            samples = batch.samples(i)
+            seq.num_computed_tokens += batch.num_new_tokens[i]
+            # The step has run, so these blocks' KV is written: their hashes may be published.
+            self.block_manager.cache_full_blocks(seq)
+            if not samples:
+                continue
+            token = next(tokens)
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,78 @@
+"""`LLM`: the offline entry point, as in vLLM (`LLM(model).generate(prompts, params)`)."""
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts; outputs come back in input order."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
+                             "give one, or one per prompt")
+        engine = self.llm_engine
+        # Validate every prompt before queueing any, so a bad one leaves nothing half-done.
+        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tokens = decode_tokens = 0
+        with bar:
+            while engine.has_unfinished():
+                result = engine.step()
+                bar.update(len(result.finished))
+                if use_tqdm:
+                    prefill_tokens += result.num_prefill_tokens
+                    decode_tokens += result.num_decode_tokens
+                    elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                    bar.set_postfix(prefill=f"{prefill_tokens / elapsed:.0f}tok/s",
+                                    decode=f"{decode_tokens / elapsed:.0f}tok/s", refresh=False)
+        return [self._output(prompt, seq) for prompt, seq in zip(prompts, seqs)]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.llm_engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> dict:
+        return self.llm_engine.get_metrics()
+
+    def _output(self, prompt, seq) -> RequestOutput:
+        text_prompt = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) else None)
+        completion = CompletionOutput(0, self.llm_engine.decode(seq.completion_token_ids),
+                                      seq.completion_token_ids, seq.finish_reason)
+        return RequestOutput(str(seq.seq_id), text_prompt, seq.token_ids[:seq.num_prompt_tokens],
+                             [completion], finished=True)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

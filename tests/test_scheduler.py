@@ -1,0 +1,121 @@
+"""Scheduler: shared token budget, chunked prefill, limits, preemption by recompute, and
+block-manager invariants after every step of a randomized run (no model: tokens are faked)."""
+
+import random
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, max_num_seqs=8, budget=32, max_model_len=256, prefix_caching=True):
+    bm = BlockManager(num_blocks, BS, prefix_caching)
+    return Scheduler(bm, max_num_seqs, budget, max_model_len, {EOS})
+
+
+def make_seq(n, max_tokens=8, start=1, ignore_eos=True):
+    return Sequence(list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+
+
+def run_step(sched, token=lambda seq: 7):
+    batch = sched.schedule()
+    sampled = [token(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+    finished = sched.postprocess(batch, sampled)
+    return batch, finished
+
+
+def test_long_prompt_is_chunked_and_does_not_stall_decodes():
+    sched = make_scheduler(budget=16)
+    short = make_seq(3, max_tokens=20)
+    sched.add(short)
+    run_step(sched)  # short is now decoding
+    sched.add(make_seq(100, start=50))
+    for _ in range(5):
+        batch, _ = run_step(sched)
+        assert batch.seqs[0] is short and batch.num_new_tokens[0] == 1
+        assert batch.num_tokens <= 16
+        assert batch.num_new_tokens[1] == 15  # the long prompt gets the rest of the budget
+
+
+def test_max_num_seqs_is_honoured():
+    sched = make_scheduler(max_num_seqs=3, budget=1000)
+    for i in range(6):
+        sched.add(make_seq(5, start=10 * i + 1))
+    batch, _ = run_step(sched)
+    assert len(batch) == 3 and len(sched.waiting) == 3
+
+
+def test_partial_prefill_does_not_sample():
+    sched = make_scheduler(budget=8)
+    sched.add(make_seq(20))
+    batch, _ = run_step(sched)
+    assert not batch.samples(0)
+    assert sched.running[0].num_computed_tokens == 8 and sched.running[0].num_completion_tokens == 0
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    sched = make_scheduler()
+    first = make_seq(8, max_tokens=1)
+    sched.add(first)
+    run_step(sched)
+    again = make_seq(8, max_tokens=1)
+    sched.add(again)
+    batch, finished = run_step(sched)
+    assert batch.num_new_tokens == [4] and finished == [again]
+    assert sched.prefix_cache_hit_tokens == 4
+
+
+def test_preemption_takes_newest_and_sequence_resumes():
+    # 6 blocks of 4 = 24 slots; two sequences of 8 prompt tokens growing to 20 each cannot both fit.
+    sched = make_scheduler(num_blocks=6, budget=64, prefix_caching=False)
+    old, new = make_seq(8, max_tokens=12), make_seq(8, max_tokens=12, start=100)
+    sched.add(old)
+    sched.add(new)
+    finished = []
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        _, done = run_step(sched)
+        finished += done
+        sched.block_manager.check_invariants(sched.running)
+    assert sched.num_preemptions > 0
+    assert finished[0] is old  # the older sequence was never the victim
+    assert all(s.num_completion_tokens == 12 for s in (old, new))
+
+
+def test_eos_stops_unless_ignored_and_length_stops():
+    sched = make_scheduler()
+    stops, ignores = make_seq(3, ignore_eos=False), make_seq(3, max_tokens=2, start=20)
+    sched.add(stops)
+    sched.add(ignores)
+    _, finished = run_step(sched, token=lambda seq: EOS)
+    assert finished == [stops] and stops.finish_reason == "stop"
+    _, finished = run_step(sched, token=lambda seq: EOS)
+    assert finished == [ignores] and ignores.finish_reason == "length"
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_randomized_run_keeps_invariants():
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=40, max_num_seqs=6, budget=24)
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([4, 8, 12]))] for _ in range(3)]
+    seqs = []
+    for _ in range(30):
+        tokens = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
+        seq = Sequence(tokens, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.5))
+        seqs.append(seq)
+        sched.add(seq)
+    steps = 0
+    while sched.has_unfinished():
+        batch, _ = run_step(sched, token=lambda seq: rng.randrange(0, 50))
+        assert batch.num_tokens <= 24 and len(sched.running) <= 6
+        sched.block_manager.check_invariants(sched.running)
+        steps += 1
+        assert steps < 2000
+    assert all(s.status == SequenceStatus.FINISHED for s in seqs)
+    assert sched.block_manager.num_free_blocks == 40
+    assert sched.prefix_cache_hit_tokens > 0
