@@ -1,0 +1,29 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+The statistics are computed in fp32 and the result cast back before the weight multiply,
+as HF Llama/Qwen do. Inputs are never modified: `x.float()` returns `x` itself when x is
+already fp32, so an in-place op here could clobber the caller's tensor.
+"""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual  # in the model dtype, like HF's residual stream
+        return self._norm(summed), summed

@@ -1,0 +1,163 @@
+"""Linear layers, replicated or sharded over a tensor-parallel group.
+
+Column-parallel layers split the output dim (weight rows): each rank computes a slice of
+the output and no communication is needed. Row-parallel layers split the input dim
+(weight columns): each rank computes a partial sum, all-reduced over the group, with the
+bias added on rank 0 only so it is counted once. Packed layers (gate/up, q/k/v) hold
+several projections in one weight and cut each checkpoint tensor twice: first which
+projection (offset in the packed weight), then which rank (chunk of that projection).
+
+Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes
+the full (unsharded) checkpoint tensor and copies this rank's part, converting dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.distributed.parallel_state import TPGroup
+from nanovllm.loader.weights import default_weight_loader
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by the tensor parallel size {denominator}")
+    return numerator // denominator
+
+
+def copy_chunk(dst: torch.Tensor, src: torch.Tensor, dim: int, index: int, num_chunks: int) -> None:
+    """Copy chunk `index` of `num_chunks` equal chunks of `src` along `dim` into `dst`.
+
+    `src` must be exactly `num_chunks` times `dst` along `dim` (and equal elsewhere), so a
+    checkpoint that disagrees with the config fails instead of loading a wrong slice.
+    """
+    expected = list(dst.shape)
+    expected[dim] *= num_chunks
+    if list(src.shape) != expected:
+        raise ValueError(f"expected shape {tuple(expected)}, got {tuple(src.shape)}")
+    size = dst.shape[dim]
+    dst.copy_(src.narrow(dim, index * size, size))
+
+
+def _make_params(module: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+    """Give `module` weight [output_size, input_size] and optional bias, wired to its weight_loader."""
+    module.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+    module.weight.weight_loader = module.weight_loader
+    if bias:
+        module.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+        module.bias.weight_loader = module.weight_loader
+    else:
+        module.register_parameter("bias", None)
+
+
+class ReplicatedLinear(nn.Module):
+    """Every rank holds the whole weight."""
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
+        super().__init__()
+        _make_params(self, input_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded_weight, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (the output dim) split across ranks; output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp_group = tp_group
+        self.output_size_per_rank = divide(output_size, tp_group.world_size, "output_size")
+        _make_params(self, input_size, self.output_size_per_rank, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unpacked parameter got shard {shard_id!r}")
+        copy_chunk(param.data, loaded_weight, 0, self.tp_group.rank, self.tp_group.world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input packed in one weight (gate/up).
+
+    Per rank the packed output is [proj 0's chunk | proj 1's chunk | ...]; shard_id is the
+    projection's index in `output_sizes`.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, tp_group: TPGroup, bias: bool = False):
+        self.sizes_per_rank = [divide(s, tp_group.world_size, "output size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), tp_group=tp_group, bias=bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.sizes_per_rank):
+            raise ValueError(f"packed parameter needs a shard index in 0..{len(self.sizes_per_rank) - 1}, got {shard_id!r}")
+        offset = sum(self.sizes_per_rank[:shard_id])
+        dst = param.data.narrow(0, offset, self.sizes_per_rank[shard_id])
+        copy_chunk(dst, loaded_weight, 0, self.tp_group.rank, self.tp_group.world_size)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections packed in one column-parallel weight, split by heads.
+
+    Each rank gets num_heads / tp query heads. When tp exceeds the number of KV heads, KV
+    heads are replicated: each rank holds one KV head, shared by tp / num_kv_heads
+    consecutive ranks (so rank r serves the query heads that use KV head r // replicas).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 *, tp_group: TPGroup, bias: bool = False):
+        tp = tp_group.world_size
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        if tp >= num_kv_heads:
+            if tp % num_kv_heads:
+                raise ValueError(f"tensor parallel size {tp} is not a multiple of num_key_value_heads="
+                                 f"{num_kv_heads}, so KV heads cannot be replicated evenly")
+            self.num_kv_heads, self.num_kv_replicas = 1, tp // num_kv_heads
+        else:
+            self.num_kv_heads, self.num_kv_replicas = divide(num_kv_heads, tp, "num_key_value_heads"), 1
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        # The base class divides the output size by tp, so pass tp times the per-rank size:
+        # with replicated KV heads the per-rank size is not the unsharded size / tp.
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, tp_group=tp_group, bias=bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id == "q":
+            offset, size = 0, self.q_size
+            index, num_chunks = self.tp_group.rank, self.tp_group.world_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            index = self.tp_group.rank // self.num_kv_replicas
+            num_chunks = self.tp_group.world_size // self.num_kv_replicas
+        else:
+            raise ValueError(f"packed qkv parameter needs shard 'q', 'k' or 'v', got {shard_id!r}")
+        copy_chunk(param.data.narrow(0, offset, size), loaded_weight, 0, index, num_chunks)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns (the input dim) split across ranks; input is sharded."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp_group = tp_group
+        _make_params(self, divide(input_size, tp_group.world_size, "input_size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if param.dim() == 1:  # the bias is not sharded
+            default_weight_loader(param, loaded_weight, shard_id)
+            return
+        if shard_id is not None:
+            raise ValueError(f"unpacked parameter got shard {shard_id!r}")
+        copy_chunk(param.data, loaded_weight, 1, self.tp_group.rank, self.tp_group.world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Every rank holds the bias, but only rank 0 adds it: the all-reduce sums it once.
+        y = F.linear(x, self.weight, self.bias if self.tp_group.is_first_rank else None)
+        return self.tp_group.all_reduce(y)

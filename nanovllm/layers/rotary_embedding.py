@@ -1,0 +1,105 @@
+"""Rotary position embeddings (NeoX / rotate-half style, as HF Llama and Qwen use).
+
+Owns reading RoPE settings from an HF config (both the transformers 5.x `rope_parameters`
+form and the 4.x `rope_theta` + `rope_scaling` form), the inverse frequencies of each
+supported scaling type, and a precomputed fp32 cos/sin cache indexed by position.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters_from_config(config) -> dict:
+    """One flat dict with `rope_type`, `rope_theta` and the scaling keys, from either config form."""
+    params = {**(getattr(config, "rope_scaling", None) or {}), **(getattr(config, "rope_parameters", None) or {})}
+    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    params["rope_theta"] = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    if getattr(config, "partial_rotary_factor", None) is not None:
+        params.setdefault("partial_rotary_factor", config.partial_rotary_factor)
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", config.max_position_embeddings))
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, p: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale cos/sin."""
+    base, old_len = p["rope_theta"], p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_position / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dim index that turns `rotations` times over old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = (1 - ramp).to(inv_freq.device)
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, attention_scale: float = 1.0):
+        super().__init__()
+        self.head_dim = head_dim
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=inv_freq.device), inv_freq)
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scale
+        # Derived from the config, never loaded: kept out of the state dict. fp32 on purpose:
+        # bf16 cannot resolve the angles of large positions.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        heads = x.float().view(x.shape[0], -1, self.head_dim)
+        x1, x2 = heads.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotated.to(x.dtype).view(x.shape)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T], q [T, H*D], k [T, KVH*D] -> rotated (q, k), new tensors of the same shapes."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:
+    """Build the rotary embedding for `rope_parameters` (see `rope_parameters_from_config`)."""
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    theta = rope_parameters["rope_theta"]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    attention_scale = 1.0
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_parameters["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+    elif rope_type == "yarn":
+        inv_freq, attention_scale = _yarn_inv_freq(inv_freq, head_dim, rope_parameters, max_position)
+    return RotaryEmbedding(head_dim, max_position, inv_freq, attention_scale)
