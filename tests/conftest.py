@@ -1,0 +1,96 @@
+"""Shared test helpers: tiny random HF checkpoints (config, safetensors, tokenizer), built offline.
+
+`make_tiny_checkpoint(tmp_dir, arch, **config_overrides)` writes a directory that
+`transformers.AutoModelForCausalLM` / `AutoTokenizer` and nano-vllm can both load; the
+`tiny_checkpoint` fixture does the same into a fresh temporary directory.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+MODEL_TYPES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+}
+
+TINY_CONFIG = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def make_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens (specials last), chat template included.
+
+    Byte-level, so every string round-trips and ids can split multi-byte characters, as in
+    real Qwen/Llama tokenizers. Merges are synthetic (letter pairs) to fill the vocabulary.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    num_merges = vocab_size - len(alphabet) - len(SPECIAL_TOKENS)
+    if num_merges < 0:
+        raise ValueError(f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)}")
+    letters = "etaoinshrdlucmfwypvbgkqjxz"
+    candidates = [("Ġ", c) for c in letters] + [(a, b) for a in letters for b in letters]
+    merges = candidates[:num_merges]
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], chat_template=CHAT_TEMPLATE)
+
+
+def make_tiny_config(arch: str, **overrides) -> transformers.PreTrainedConfig:
+    kwargs = {**TINY_CONFIG, **overrides}
+    eos = kwargs["vocab_size"] - len(SPECIAL_TOKENS)  # id of <|endoftext|>
+    kwargs.setdefault("eos_token_id", eos)
+    kwargs.setdefault("bos_token_id", None)
+    kwargs.setdefault("pad_token_id", None)
+    if arch == "MistralForCausalLM":
+        kwargs.setdefault("sliding_window", None)
+    return AutoConfig.for_model(MODEL_TYPES[arch], architectures=[arch], **kwargs)
+
+
+def make_tiny_checkpoint(tmp_dir: str | Path, arch: str = "Qwen3ForCausalLM", seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised tiny `arch` model (fp32 safetensors) and tokenizer to `tmp_dir`.
+
+    Every parameter is drawn at random, biases and norm weights included, so a
+    parameter that is loaded wrongly or not at all changes the logits.
+    """
+    config = make_tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.1)
+    path = Path(tmp_dir)
+    model.save_pretrained(path)
+    make_tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path_factory):
+    """Factory fixture: tiny_checkpoint(arch, **config_overrides) -> checkpoint directory."""
+    def make(arch: str = "Qwen3ForCausalLM", **overrides) -> Path:
+        return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), arch, **overrides)
+    return make
