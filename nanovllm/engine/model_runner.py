@@ -77,7 +77,9 @@ class ModelRunner:
             num_blocks = int(budget) // per_block
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            num_blocks = int(available * CPU_KV_CACHE_RAM_SHARE) // per_block
+            # No point holding more than max_num_seqs full-length sequences can use.
+            num_blocks = min(int(available * CPU_KV_CACHE_RAM_SHARE) // per_block,
+                             config.max_num_seqs * -(-config.max_model_len // self.block_size))
         needed = -(-config.max_model_len // self.block_size)
         if num_blocks < needed:
             raise ValueError(
