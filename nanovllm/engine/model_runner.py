@@ -101,10 +101,9 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch):
         bs = self.block_size
         input_ids, positions, slots = [], [], []
-        context_lens, sample_rows, temperatures = [], [], []
+        context_lens = []
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = np.full((len(batch), max_blocks), -1, dtype=np.int32)
-        row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids.extend(seq.token_ids[start:end])
@@ -114,10 +113,6 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             block_tables[i, :len(table)] = table
             context_lens.append(end)
-            row += n
-            if batch.samples(i):
-                sample_rows.append(row - 1)
-                temperatures.append(seq.sampling_params.temperature)
         query_lens = batch.num_new_tokens
         cu_seqlens = np.zeros(len(batch) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu_seqlens[1:])
@@ -133,18 +128,29 @@ class ModelRunner:
         )
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.from_numpy(np.concatenate(positions)).to(dev),
-                layout,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev),
-                torch.tensor(temperatures, dtype=torch.float32, device=dev))
+                layout)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns one sampled token per sequence that samples, in batch order."""
-        input_ids, positions, layout, sample_rows, temperatures = self._prepare(batch)
+        input_ids, positions, layout = self._prepare(batch)
         metadata = self.backend.prepare(layout)
         with forward_context(self.backend, metadata):
             hidden = self.model(input_ids, positions)
-        if sample_rows.numel() == 0:
+        return self._sample(batch, hidden)
+
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[int]:
+        """Logits for the last row of each sampling sequence only, then sample."""
+        rows, temperatures, end = [], [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            end += n
+            if batch.samples(i):
+                rows.append(end - 1)
+                temperatures.append(seq.sampling_params.temperature)
+        if not rows:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if logits is None:  # a non-zero tensor-parallel rank: rank 0 samples
+            return []
+        temperatures = torch.tensor(temperatures, dtype=torch.float32, device=hidden.device)
         return self.sampler(logits, temperatures, self.generator).tolist()
