@@ -4,7 +4,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -28,22 +28,24 @@ class LLM:
                              "give one, or one per prompt")
         engine = self.llm_engine
         # Validate every prompt before queueing any, so a bad one leaves nothing half-done.
-        seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
-            engine.add_sequence(seq)
-        bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tokens = decode_tokens = 0
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for request in requests:
+            engine.enqueue(request)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_start, decode_start = engine.prefill_tokens_computed, engine.decode_tokens_computed
         with bar:
             while engine.has_unfinished():
-                result = engine.step()
-                bar.update(len(result.finished))
+                for output in engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        bar.update(1)
                 if use_tqdm:
-                    prefill_tokens += result.num_prefill_tokens
-                    decode_tokens += result.num_decode_tokens
                     elapsed = max(bar.format_dict["elapsed"], 1e-9)
-                    bar.set_postfix(prefill=f"{prefill_tokens / elapsed:.0f}tok/s",
-                                    decode=f"{decode_tokens / elapsed:.0f}tok/s", refresh=False)
-        return [self._output(prompt, seq) for prompt, seq in zip(prompts, seqs)]
+                    bar.set_postfix(prefill=f"{(engine.prefill_tokens_computed - prefill_start) / elapsed:.0f}tok/s",
+                                    decode=f"{(engine.decode_tokens_computed - decode_start) / elapsed:.0f}tok/s",
+                                    refresh=False)
+        return [final[request.request_id] for request in requests]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -54,19 +56,12 @@ class LLM:
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
                                                  **(chat_template_kwargs or {}))
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            # The template already holds any special tokens the model wants.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict:
         return self.llm_engine.get_metrics()
-
-    def _output(self, prompt, seq) -> RequestOutput:
-        text_prompt = prompt if isinstance(prompt, str) else (
-            prompt.get("prompt") if isinstance(prompt, dict) else None)
-        completion = CompletionOutput(0, self.llm_engine.decode(seq.completion_token_ids),
-                                      seq.completion_token_ids, seq.finish_reason)
-        return RequestOutput(str(seq.seq_id), text_prompt, seq.token_ids[:seq.num_prompt_tokens],
-                             [completion], finished=True)
 
 
 def _as_prompt_list(prompts) -> list:

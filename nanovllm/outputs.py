@@ -1,6 +1,21 @@
-"""What `LLM.generate` returns, shaped as vLLM's RequestOutput / CompletionOutput."""
+"""What the engine returns, shaped as vLLM's RequestOutput / CompletionOutput / Logprob.
+
+Logprobs are log_softmax of the model's raw logits, before temperature, penalties and
+top-k/top-p/min-p (vLLM's default): they describe the model, not the sampling settings.
+"""
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per position: the top-N tokens and the chosen (sampled or prompt) token.
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -8,8 +23,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or None while running
-    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -19,3 +39,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry is None

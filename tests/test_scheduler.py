@@ -24,8 +24,8 @@ def make_seq(n, max_tokens=8, start=1, ignore_eos=True):
 def run_step(sched, token=lambda seq: 7):
     batch = sched.schedule()
     sampled = [token(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-    finished = sched.postprocess(batch, sampled)
-    return batch, finished
+    advanced = sched.postprocess(batch, sampled)
+    return batch, [seq for seq in advanced if seq.is_finished]
 
 
 def test_long_prompt_is_chunked_and_does_not_stall_decodes():

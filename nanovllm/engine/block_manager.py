@@ -57,7 +57,8 @@ class BlockManager:
 
         At most num_tokens - 1 tokens may hit, so that a fully cached prompt still computes
         its last token (the step needs logits to sample from)."""
-        if not self.enable_prefix_caching:
+        # Prompt logprobs need every prompt position computed, so such a sequence never hits.
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         hits, parent = [], None
         bs = self.block_size

@@ -1,25 +1,25 @@
-"""The offline engine: validates and tokenizes requests, then steps scheduler and model
-runner until every sequence finishes."""
+"""The engine: validates and tokenizes requests, steps scheduler and model runner, and turns
+sampled tokens into outputs (logprobs, incremental text, stop strings).
+
+`add_request` / `step` / `abort_request` is the streaming interface the CLI and the server
+use; `step` returns a RequestOutput for every request that advanced, with cumulative text.
+"""
 
 import json
 import os
-from dataclasses import dataclass
+from itertools import count
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Request, Sequence
+from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from nanovllm.sampling_params import SamplingParams
-
-
-@dataclass
-class StepResult:
-    finished: list[Sequence]
-    num_prefill_tokens: int  # tokens of prompt chunks computed this step
-    num_decode_tokens: int  # sequences that advanced by one generated token
 
 
 class LLMEngine:
@@ -29,24 +29,38 @@ class LLMEngine:
         self.eos_token_ids = collect_eos_token_ids(config, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self.model_runner = ModelRunner(config)
+        self.model_runner.eos_token_ids = self.eos_token_ids
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._request_ids = count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.prefill_tokens_computed = 0  # prompt (and recomputed) tokens run through the model
+        self.decode_tokens_computed = 0
 
-    def make_sequence(self, prompt, sampling_params: SamplingParams) -> Sequence:
+    # ----- requests -----
+
+    def make_request(self, prompt, sampling_params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate and tokenize one prompt; raises ValueError before anything is queued."""
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
+                text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key, "
                                  f"got keys {sorted(prompt)}")
         if isinstance(prompt, str):
+            text = prompt
             token_ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
@@ -60,29 +74,116 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         max_len = self.config.max_model_len
-        if len(token_ids) + sampling_params.max_tokens > max_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
-                             f"= {len(token_ids) + sampling_params.max_tokens} exceeds max_model_len={max_len}")
-        return Sequence(token_ids, sampling_params)
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = max_len - len(token_ids)
+            if max_tokens < 1:
+                raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room to generate within "
+                                 f"max_model_len={max_len}")
+        elif len(token_ids) + max_tokens > max_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) "
+                             f"= {len(token_ids) + max_tokens} exceeds max_model_len={max_len}")
+        return Request(request_id, text, token_ids, sampling_params, max_tokens)
 
-    def add_sequence(self, seq: Sequence):
-        self.prompt_tokens += seq.num_prompt_tokens
-        self.scheduler.add(seq)
+    def add_request(self, request_id: str | None, prompt, sampling_params: SamplingParams) -> Request:
+        request = self.make_request(prompt, sampling_params, request_id)
+        self.enqueue(request)
+        return request
+
+    def enqueue(self, request: Request):
+        """Queue a request made by make_request."""
+        self.requests[request.request_id] = request
+        self.prompt_tokens += len(request.prompt_token_ids)
+        for seq in request.seqs:
+            self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params)
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; its blocks return to the pool at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+        output = self._output(request)
+        self._forget(request)
+        return output
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> StepResult:
+    # ----- stepping -----
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns the outputs of the requests that advanced."""
         batch = self.scheduler.schedule()
-        sampled = self.model_runner.execute(batch)
+        out = self.model_runner.execute(batch)
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
-        finished = self.scheduler.postprocess(batch, sampled)
-        self.generation_tokens += len(sampled)
-        return StepResult(finished, batch.num_tokens - num_decode, num_decode)
+        self.decode_tokens_computed += num_decode
+        self.prefill_tokens_computed += batch.num_tokens - num_decode
+        self._record_prompt_logprobs(out)
+        advanced = self.scheduler.postprocess(batch, out.token_ids)
+        self.generation_tokens += len(advanced)
+        for seq, logprobs in zip(advanced, out.logprobs):
+            self._process_token(seq, logprobs)
+        requests = {seq.request_id: self.requests[seq.request_id] for seq in advanced}
+        outputs = [self._output(request) for request in requests.values()]
+        for request in requests.values():
+            if request.finished:
+                self._forget(request)
+        return outputs
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _process_token(self, seq: Sequence, logprobs):
+        """Record the new token's logprobs and text; finish seq on a stop string."""
+        token = seq.token_ids[-1]
+        if logprobs is not None:
+            seq.logprobs.append(self._position_logprobs(token, logprobs))
+            seq.cumulative_logprob += logprobs[0]
+        params = seq.sampling_params
+        # A stop token's own text is left out, as vLLM does, unless asked for.
+        if seq.is_finished and seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+            return
+        detokenizer = self._detokenizers[seq.seq_id]
+        stop = detokenizer.add_token(token, check_stop=seq.num_completion_tokens >= params.min_tokens)
+        if stop is not None:
+            self.scheduler.finish(seq, "stop", stop)
+
+    def _record_prompt_logprobs(self, out: SamplerOutput):
+        for seq, first, entries in out.prompt_logprobs:
+            # After a preemption the prompt is recomputed: keep only positions not yet recorded.
+            skip = len(seq.prompt_logprobs) - first
+            for position, entry in enumerate(entries[skip:], start=first + skip):
+                seq.prompt_logprobs.append(self._position_logprobs(seq.token_ids[position], entry))
+
+    def _position_logprobs(self, token: int, entry) -> PositionLogprobs:
+        chosen_logprob, rank, top = entry
+        result = {tid: Logprob(lp, r, self.tokenizer.decode([tid])) for r, (tid, lp) in enumerate(top, start=1)}
+        if token not in result:
+            result[token] = Logprob(chosen_logprob, rank, self.tokenizer.decode([token]))
+        return result
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            text = self._detokenizers[seq.seq_id].output_text(seq.is_finished)
+            wants_logprobs = request.sampling_params.logprobs is not None
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.completion_token_ids,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if wants_logprobs else None,
+                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            ))
+        first = request.seqs[0]
+        prompt_logprobs = list(first.prompt_logprobs) if request.sampling_params.prompt_logprobs is not None else None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished=request.finished, prompt_logprobs=prompt_logprobs)
+
+    def _forget(self, request: Request):
+        self.requests.pop(request.request_id, None)
+        for seq in request.seqs:
+            self._detokenizers.pop(seq.seq_id, None)
 
     def get_metrics(self) -> dict:
         return {

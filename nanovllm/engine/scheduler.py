@@ -75,11 +75,17 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the pool.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
+            parent = seq.parent
+            if parent is not None and parent.status == SequenceStatus.RUNNING:
+                if parent.num_computed_tokens < parent.num_prompt_tokens:
+                    break  # the first of n streams is still prefilling the prompt the others will share
+                cached = parent.block_table[:(seq.num_tokens - 1) // self.block_manager.block_size]
+            else:
+                cached = self.block_manager.find_cached_prefix(seq)
+                self.prefix_cache_hit_tokens += len(cached) * self.block_manager.block_size
             num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
-            self.prefix_cache_hit_tokens += len(cached) * self.block_manager.block_size
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -97,8 +103,8 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
         """Advance the batch after its step ran; `sampled` holds one token per sampling sequence.
 
-        Returns the sequences that finished."""
-        finished = []
+        Returns the sequences that received a token (finished ones have status FINISHED)."""
+        advanced = []
         tokens = iter(sampled)
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
@@ -109,19 +115,31 @@ class Scheduler:
                 continue
             token = next(tokens)
             seq.token_ids.append(token)
+            advanced.append(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                seq.finish_reason = reason
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.free(seq)
-                self.running.remove(seq)
-                finished.append(seq)
-        return finished
+                self.finish(seq, *reason)
+        return advanced
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        """End seq (also for stop strings found by the engine, and aborts) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.block_manager.free(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
         params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+        if seq.num_completion_tokens >= params.min_tokens:  # earlier stop ids were masked out anyway
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
         return None

@@ -1,8 +1,13 @@
-"""One generation stream: its tokens, how far its KV is computed, and its block table."""
+"""A request and its generation streams (sequences): tokens, how far each stream's KV is
+computed, its block table, and what has been produced for the caller so far."""
 
+import time
 from enum import Enum, auto
 from itertools import count
 
+import torch
+
+from nanovllm.outputs import PositionLogprobs
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -15,18 +20,32 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, max_tokens: int | None = None,
+                 index: int = 0, parent: "Sequence | None" = None):
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        # The n completions of one request: index i > 0 forks the prompt blocks of index 0.
+        self.index = index
+        self.parent = parent
+        self.request_id: str | None = None
         self.status = SequenceStatus.WAITING
         # Tokens whose KV is in the cache. A decode step is simply "1 new token".
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         # Hash chain of this sequence's full, written blocks (block_hashes[i] is block i's).
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[int | None] = []
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Sampling state (rank 0 only): a private random stream for seeded requests.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(hash((sampling_params.seed, index)) & (2**63 - 1))
+        self.logprobs: list[PositionLogprobs] = []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[PositionLogprobs | None] = [None]
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -47,9 +66,36 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are computed once, by the first stream, while its prompt is prefilled."""
+        return (self.index == 0 and self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
     def reset_for_recompute(self):
         """Preemption by recompute: drop all KV; generated tokens are kept and recomputed as prompt."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table = []
         self.block_hashes = []
+
+
+class Request:
+    """One prompt submitted by a caller and its `n` sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, max_tokens: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic()
+        first = Sequence(prompt_token_ids, sampling_params, max_tokens)
+        self.seqs = [first] + [Sequence(prompt_token_ids, sampling_params, max_tokens, index=i, parent=first)
+                               for i in range(1, sampling_params.n)]
+        for seq in self.seqs:
+            seq.request_id = request_id
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)

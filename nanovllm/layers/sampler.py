@@ -1,19 +1,169 @@
-"""Turns the logits of sampled positions into tokens: greedy rows take the argmax,
-the others are drawn with the Gumbel-max trick (argmax of probs / Exp(1) noise)."""
+"""Turns the logits of sampled positions into tokens, applying each row's sampling settings
+in one vectorised pass (no per-request loop over the vocabulary).
+
+Order, as in vLLM: logprobs of the raw logits; penalties (repetition on prompt and output
+tokens, presence and frequency on output tokens); min_tokens masking of stop ids; greedy
+rows take the argmax; the others are scaled by temperature, filtered by min-p, top-k and
+top-p, and drawn with the Gumbel-max trick (argmax of probs / Exp(1) noise). Seeded rows
+draw their noise from their own generator, so their tokens do not depend on the batch.
+"""
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors for the sequences that sample this step."""
+
+    temperatures: torch.Tensor  # [n] fp32, 0 = greedy
+    top_k: torch.Tensor | None  # [n] int64, vocab size = off
+    top_p: torch.Tensor | None  # [n] fp32
+    min_p: torch.Tensor | None  # [n] fp32
+    repetition_penalty: torch.Tensor | None  # [n] fp32
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    prompt_mask: torch.Tensor | None  # [n, vocab] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None  # [n, vocab] fp32: occurrences in the output
+    banned: list[tuple[int, list[int]]]  # (row, ids) masked until min_tokens are out
+    generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int], device) -> "SamplingBatch":
+        params = [seq.sampling_params for seq in seqs]
+
+        def column(name, dtype, default):
+            values = [getattr(p, name) for p in params]
+            if all(v == default for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        top_k = column("top_k", torch.long, 0)
+        if top_k is not None:
+            top_k = torch.where(top_k > 0, top_k, vocab_size)
+        repetition = column("repetition_penalty", torch.float32, 1.0)
+        presence = column("presence_penalty", torch.float32, 0.0)
+        frequency = column("frequency_penalty", torch.float32, 0.0)
+        prompt_mask = output_counts = None
+        if repetition is not None:
+            prompt_mask = _token_counts([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size, device) > 0
+        if repetition is not None or presence is not None or frequency is not None:
+            output_counts = _token_counts([s.completion_token_ids for s in seqs], vocab_size, device)
+        banned = []
+        for row, (seq, p) in enumerate(zip(seqs, params)):
+            if seq.num_completion_tokens < p.min_tokens:
+                banned.append((row, sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))))
+        return cls(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=top_k, top_p=column("top_p", torch.float32, 1.0), min_p=column("min_p", torch.float32, 0.0),
+            repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+            prompt_mask=prompt_mask, output_counts=output_counts, banned=banned,
+            generators=[seq.generator for seq in seqs], num_logprobs=[p.logprobs for p in params],
+        )
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    width = max(map(len, token_lists), default=0)
+    if width:
+        # Pad with an extra column id (vocab_size) that is dropped afterwards.
+        ids = torch.full((len(token_lists), width), vocab_size, dtype=torch.long)
+        for row, tokens in enumerate(token_lists):
+            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (logprob of the chosen token, its rank, top-N (id, logprob) pairs), or None.
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # (sequence, first position, entries as above) for sequences that asked for prompt logprobs.
+    prompt_logprobs: list = field(default_factory=list)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num: int):
+    """For each row: the chosen token's logprob and rank, and the `num` most likely tokens."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(1) + 1
+    top = logprobs.topk(num, dim=-1) if num else None
+    return chosen_lp, ranks, top
+
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """logits: [n, vocab]; temperatures: [n] fp32, 0 = greedy. Returns [n] token ids."""
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
+        """logits: [n, vocab] raw model output; `generator` serves rows without their own seed."""
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
-        if not bool((temperatures > 0).any()):
-            return greedy
-        probs = torch.softmax(logits / temperatures.clamp(min=1e-5).unsqueeze(1), dim=-1)
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(temperatures > 0, sampled, greedy)
+        wanted = [n for n in batch.num_logprobs if n is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
+        logits = self._penalize(logits, batch)
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = batch.temperatures > 0
+        if bool(sampled_rows.any()):
+            tokens = torch.where(sampled_rows, self._draw(logits, batch, generator), tokens)
+        out = SamplerOutput(tokens.tolist(), [None] * len(tokens))
+        if wanted:
+            chosen_lp, ranks, top = top_logprobs(raw_logprobs, tokens, max(wanted))
+            chosen_lp, ranks = chosen_lp.tolist(), ranks.tolist()
+            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top else (None, None)
+            for row, num in enumerate(batch.num_logprobs):
+                if num is not None:
+                    pairs = list(zip(top_ids[row][:num], top_lps[row][:num])) if num else []
+                    out.logprobs[row] = (chosen_lp[row], ranks[row], pairs)
+        return out
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.repetition_penalty is not None:
+            seen = batch.prompt_mask | (batch.output_counts > 0)
+            penalty = batch.repetition_penalty.unsqueeze(1)
+            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalized, logits)
+        if batch.frequency_penalty is not None:
+            logits = logits - batch.frequency_penalty.unsqueeze(1) * batch.output_counts
+        if batch.presence_penalty is not None:
+            logits = logits - batch.presence_penalty.unsqueeze(1) * (batch.output_counts > 0)
+        return logits
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
+        logits = logits / batch.temperatures.clamp(min=1e-5).unsqueeze(1)
+        if batch.min_p is not None:
+            probs = torch.softmax(logits, dim=-1)
+            threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [row for row, g in enumerate(batch.generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+                generator=generator)
+        for row, g in enumerate(batch.generators):
+            if g is not None:
+                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest set of those whose mass reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)
+    if top_k is not None:
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # The most likely token always stays, so a row never ends up empty.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
