@@ -17,7 +17,7 @@ from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingBatch, top_logprobs
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
 
@@ -37,6 +37,7 @@ class ModelRunner:
         self.num_kvcache_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.eos_token_ids: set[int] = set()  # set by the engine; min_tokens holds these back
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
     def _load_model(self) -> torch.nn.Module:
@@ -131,7 +132,7 @@ class ModelRunner:
                 layout)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Run one step; returns one sampled token per sequence that samples, in batch order."""
         input_ids, positions, layout = self._prepare(batch)
         metadata = self.backend.prepare(layout)
@@ -139,18 +140,47 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         return self._sample(batch, hidden)
 
-    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[int]:
-        """Logits for the last row of each sampling sequence only, then sample."""
-        rows, temperatures, end = [], [], 0
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> SamplerOutput:
+        """Logits only for the rows that need them: the last row of each sampling sequence,
+        and the prompt rows of a sequence that asked for prompt logprobs. Then sample."""
+        sample_rows, sample_seqs, prompt_spans, end = [], [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            end += n
+            start, end = end, end + n
+            if seq.wants_prompt_logprobs:
+                # Row start + j predicts the token at position num_computed + j + 1.
+                first = seq.num_computed_tokens + 1
+                count = min(n, seq.num_prompt_tokens - first)
+                if count > 0:
+                    prompt_spans.append((seq, first, start, count))
             if batch.samples(i):
-                rows.append(end - 1)
-                temperatures.append(seq.sampling_params.temperature)
+                sample_rows.append(end - 1)
+                sample_seqs.append(seq)
+        rows = [r for _, _, start, count in prompt_spans for r in range(start, start + count)] + sample_rows
         if not rows:
-            return []
+            return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         if logits is None:  # a non-zero tensor-parallel rank: rank 0 samples
-            return []
-        temperatures = torch.tensor(temperatures, dtype=torch.float32, device=hidden.device)
-        return self.sampler(logits, temperatures, self.generator).tolist()
+            return SamplerOutput([], [])
+        num_prompt_rows = len(rows) - len(sample_rows)
+        out = SamplerOutput([], [])
+        if sample_seqs:
+            sampling = SamplingBatch.build(sample_seqs, logits.shape[1], self.eos_token_ids, logits.device)
+            out = self.sampler(logits[num_prompt_rows:], sampling, self.generator)
+        out.prompt_logprobs = self._prompt_logprobs(prompt_spans, logits[:num_prompt_rows])
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(spans, logits: torch.Tensor) -> list:
+        """(seq, first position, [(logprob, rank, top pairs)] per position) for each span."""
+        result, offset = [], 0
+        for seq, first, _, count in spans:
+            logprobs = torch.log_softmax(logits[offset:offset + count].float(), dim=-1)
+            offset += count
+            targets = torch.tensor(seq.token_ids[first:first + count], device=logits.device)
+            num = seq.sampling_params.prompt_logprobs
+            chosen, ranks, top = top_logprobs(logprobs, targets, num)
+            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top else ([[]] * count, [[]] * count)
+            entries = [(lp, rank, list(zip(ids, lps)))
+                       for lp, rank, ids, lps in zip(chosen.tolist(), ranks.tolist(), top_ids, top_lps)]
+            result.append((seq, first, entries))
+        return result
