@@ -4,6 +4,7 @@ files written here with gguf.GGUFWriter, then the shipped SmolLM2-135M file agai
 from __future__ import annotations
 
 import importlib.util
+import os
 from types import SimpleNamespace
 
 import gguf
@@ -12,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from nanovllm.loader import gguf as gguf_loader
 from nanovllm.loader.gguf import (
     _SUPPORTED_TYPES,
     default_model_path,
@@ -122,6 +124,30 @@ def test_unknown_tensor_name_fails(tmp_path):
     path = _write_gguf(tmp_path / "t.gguf", "llama", {"rope_freqs.weight": (np.ones(8, np.float32), None)})
     with pytest.raises(ValueError, match="rope_freqs.weight"):
         next(iter_gguf_weights(path))
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match=r"m\.gguf is not a readable GGUF file"):
+        load_gguf_config(str(path))
+
+
+def test_file_is_read_once_per_load_and_again_when_rewritten(tmp_path, monkeypatch):
+    opened = []
+    monkeypatch.setattr(gguf_loader, "GGUFReader", lambda path: opened.append(path) or gguf.GGUFReader(path))
+    hf = _tiny_model(np.random.default_rng(0), qkv_bias=True)
+    path = _write_tiny(tmp_path / "m.gguf", "qwen2", hf)
+    load_gguf_config(path)
+    dict(iter_gguf_weights(path))
+    gguf_eos_token_ids(path, SimpleNamespace(chat_template=None, get_vocab=dict))
+    assert len(opened) == 1
+    hf["model.norm.weight"] = hf["model.norm.weight"] + 1
+    os.remove(path)
+    _write_tiny(path, "qwen2", hf)
+    os.utime(path, ns=(0, 0))  # a new mtime even where the clock is coarse
+    assert torch.equal(dict(iter_gguf_weights(path))["model.norm.weight"], torch.from_numpy(hf["model.norm.weight"]))
+    assert len(opened) == 2
 
 
 # --- (b) config mapping, names, Q/K un-permutation ----------------------------------------------

