@@ -1,0 +1,56 @@
+"""The engine's command-line flags, named like vLLM's, and their mapping to `LLM(...)` keyword
+arguments. Every command that loads a model (generate, chat, serve, bench) uses these two
+functions, so a flag means the same thing everywhere and its default is `EngineConfig`'s.
+"""
+
+import argparse
+import dataclasses
+from typing import Any
+
+from nanovllm.config import DTYPES, EngineConfig
+from nanovllm.loader.gguf import DEFAULT_MODEL_ALIAS
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.init}
+
+# (flags, LLM keyword, argparse options); the keyword is also the parsed attribute's name.
+_ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
+    (("--model",), "model", dict(default=DEFAULT_MODEL_ALIAS, metavar="MODEL",
+                                 help="Hugging Face model directory, .gguf file, or the alias "
+                                      f"{DEFAULT_MODEL_ALIAS!r}")),
+    (("--dtype",), "dtype", dict(choices=["auto", *DTYPES],
+                                 help="weight and activation dtype; auto: bfloat16 on GPUs and on CPUs with "
+                                      "AVX512-BF16/AMX, else float32")),
+    (("--device",), "device", dict(choices=["auto", "cpu", "cuda"], help="auto: cuda when available")),
+    (("--max-model-len",), "max_model_len", dict(type=int, metavar="N",
+                                                 help="longest prompt + output, in tokens (default: the model's)")),
+    (("--max-num-seqs",), "max_num_seqs", dict(type=int, metavar="N", help="most sequences in one step")),
+    (("--max-num-batched-tokens",), "max_num_batched_tokens",
+     dict(type=int, metavar="N", help="per-step token budget shared by decodes and prompt chunks")),
+    (("--block-size",), "kvcache_block_size", dict(type=int, metavar="N", help="tokens per KV-cache block")),
+    (("--num-kvcache-blocks",), "num_kvcache_blocks", dict(type=int, metavar="N",
+                                                           help="KV-cache size in blocks (wins over memory)")),
+    (("--kv-cache-memory-gb",), "kv_cache_memory_gb", dict(type=float, metavar="GB", help="KV-cache size in GiB")),
+    (("--gpu-memory-utilization",), "gpu_memory_utilization",
+     dict(type=float, metavar="F", help="share of GPU memory the engine may fill")),
+    (("--enable-prefix-caching",), "enable_prefix_caching",
+     dict(action=argparse.BooleanOptionalAction, help="reuse the KV cache of shared prompt prefixes (default: on)")),
+    (("--enforce-eager",), "enforce_eager", dict(action="store_true", help="no torch.compile / CUDA graphs")),
+    (("--tensor-parallel-size", "-tp"), "tensor_parallel_size", dict(type=int, metavar="N",
+                                                                     help="number of tensor-parallel ranks")),
+    (("--seed",), "seed", dict(type=int, help="seed of the engine's random stream")),
+]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the engine flags (defaults are EngineConfig's) to `parser` as their own help group."""
+    group = parser.add_argument_group("engine options")
+    for flags, kwarg, options in _ENGINE_FLAGS:
+        options = {"default": _DEFAULTS[kwarg], **options}
+        if options["default"] is not None and "action" not in options:
+            options["help"] += " (default: %(default)s)"
+        group.add_argument(*flags, dest=kwarg, **options)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM(**kwargs)` keyword arguments that the parsed engine flags stand for."""
+    return {kwarg: getattr(args, kwarg) for _, kwarg, _ in _ENGINE_FLAGS}
