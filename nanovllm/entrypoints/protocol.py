@@ -1,0 +1,183 @@
+"""The OpenAI API's request bodies as strict pydantic models, and its error shape.
+
+Every field a model declares is honoured; any other field is rejected by name (OpenAI's own
+"Unrecognized request argument supplied: X"), except that a null value means "not given" for
+every field, known or not, as in OpenAI's API. Types are strict: "5" is not an integer and
+true is not 1. Values are range-checked by SamplingParams, whose messages name the field.
+Besides OpenAI's fields, vLLM's sampling extras are accepted (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+include_stop_str_in_output), with vLLM's meanings.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from nanovllm.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # top-N log-probabilities per token, at most (vLLM's default max_logprobs)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model, as in vLLM
+    n: int = Field(1, le=128)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # informational in OpenAI's API; accepted, used for nothing
+    # vLLM's extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range."""
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any  # a string, token ids, or a list of either; checked below
+    max_tokens: int = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        def is_ids(p):
+            return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+        if isinstance(prompt, str) or (is_ids(prompt) and prompt):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+            return prompt
+        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to the model's context, as in OpenAI's chat API
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+
+def parse_request(model: type[_Strict], data: Any) -> Any:
+    """Validate a decoded JSON body; any problem becomes a 400 naming the field."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _as_api_error(e) from None
+
+
+def _as_api_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    unknown = [err for err in errors if err["type"] == "extra_forbidden"]
+    if unknown:
+        names = [_location(err["loc"], keep_last=True) for err in unknown]
+        return APIError(400, f"Unrecognized request argument supplied: {', '.join(names)}", param=names[0])
+    # Within a union pydantic reports every member's failure: the deepest is the most telling.
+    err = max(errors, key=lambda err: len(err["loc"]))
+    param = _location(err["loc"]) or None
+    message = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for '{param}': {message}" if param else message, param=param)
+
+
+def _location(loc: tuple, keep_last: bool = False) -> str:
+    """`messages[0].content` from pydantic's ('messages', 0, 'content', 'list[TextPart]', ...):
+    the union members' names pydantic inserts are not part of the request's shape."""
+    text = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part in _FIELD_NAMES or (keep_last and i == len(loc) - 1):
+            text += f".{part}" if text else part
+    return text
+
+
+_FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+                for name in model.model_fields}
