@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
 from nanovllm.entrypoints.metrics import ServerMetrics
-from nanovllm.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, _SamplingRequest,
+from nanovllm.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                            parse_request)
 from nanovllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -295,7 +295,7 @@ class _Serving:
                 "choices": choices, **extra}
 
 
-def _sampling_params(body: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
+def _sampling_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)

@@ -43,7 +43,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model, as in vLLM
@@ -90,7 +90,7 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: Any  # a string, token ids, or a list of either; checked below
     max_tokens: int = 16  # OpenAI's default for completions
     echo: bool = False
@@ -130,7 +130,7 @@ class ChatMessage(_Strict):
         return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the model's context, as in OpenAI's chat API
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
