@@ -5,10 +5,17 @@
 `tiny_checkpoint` fixture does the same into a fresh temporary directory.
 """
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter, which must be
+    # chosen before triton is first imported (its own library functions are decorated then).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, PreTrainedTokenizerFast
@@ -86,6 +93,19 @@ def make_tiny_checkpoint(tmp_dir: str | Path, arch: str = "Qwen3ForCausalLM", se
     model.save_pretrained(path)
     make_tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return path
+
+
+def triton_skip_reason() -> str | None:
+    """Why Triton kernels cannot run in this process (None when they can: on CUDA, or on CPU
+    under the interpreter)."""
+    try:
+        import triton
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return "triton is not installed (pip install triton)"
+    if not torch.cuda.is_available() and not isinstance(triton.language.zeros, InterpretedFunction):
+        return "without CUDA, Triton kernels need TRITON_INTERPRET=1 set before triton is first imported"
+    return None
 
 
 @pytest.fixture

@@ -31,6 +31,11 @@ class BatchLayout:
 
 
 class AttentionBackend(ABC):
+    # True when `prepare` only aliases the layout's tensors and `forward` neither syncs with
+    # the host nor reads host values beyond the layout's ints: a decode step can then be
+    # captured once and replayed over persistent input buffers (CUDA graphs).
+    supports_cuda_graphs: bool = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
