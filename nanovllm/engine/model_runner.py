@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from nanovllm.attention.base import BatchLayout, forward_context
-from nanovllm.attention.torch_native import TorchNativeBackend
+from nanovllm.attention.selector import make_attention_backend
 from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
+from nanovllm.engine.cuda_graph import CUDAGraphRunner
+from nanovllm.engine.gpu_memory import profile_kv_cache_bytes
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingBatch, top_logprobs
@@ -33,9 +35,15 @@ class ModelRunner:
         self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attn_layers[0]
-        self.backend = TorchNativeBackend(first.num_heads, first.num_kv_heads, first.head_dim, self.block_size)
+        self.backend = make_attention_backend(self.device, config.torch_dtype, first.num_heads, first.num_kv_heads,
+                                              first.head_dim, self.block_size)
         self.num_kvcache_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.cuda_graphs = None  # decode steps replay captured graphs when set
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, config.max_model_len,
+                                               self.block_size, self.device)
+            self.cuda_graphs.capture()
         self.sampler = Sampler()
         self.eos_token_ids: set[int] = set()  # set by the engine; min_tokens holds these back
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -73,9 +81,8 @@ class ModelRunner:
         elif config.kv_cache_memory_gb is not None:
             num_blocks = int(config.kv_cache_memory_gb * GiB) // per_block
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * config.gpu_memory_utilization - (total - free)
-            num_blocks = int(budget) // per_block
+            budget = profile_kv_cache_bytes(self.model, self.attn_layers, self.backend, config, self.device)
+            num_blocks = budget // per_block
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             # No point holding more than max_num_seqs full-length sequences can use.
@@ -135,9 +142,12 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Run one step; returns one sampled token per sequence that samples, in batch order."""
         input_ids, positions, layout = self._prepare(batch)
-        metadata = self.backend.prepare(layout)
-        with forward_context(self.backend, metadata):
-            hidden = self.model(input_ids, positions)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(layout):
+            hidden = self.cuda_graphs.run(input_ids, positions, layout)
+        else:
+            metadata = self.backend.prepare(layout)
+            with forward_context(self.backend, metadata):
+                hidden = self.model(input_ids, positions)
         return self._sample(batch, hidden)
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> SamplerOutput:
