@@ -1,7 +1,13 @@
 """End to end: greedy tokens identical to transformers in fp32, whatever the batching,
-chunking, prefix caching or preemption; metrics; and each bad input rejected up front."""
+chunking, prefix caching or preemption; bf16 close to it; metrics; and each bad input
+rejected up front.
+
+Parity tests run on NANOVLLM_TEST_DEVICE (default: CUDA when available, else CPU), with
+transformers on the same device.
+"""
 
 import json
+import os
 import random
 
 import pytest
@@ -15,6 +21,8 @@ MAX_TOKENS = 12
 BLOCK = 16
 # Lengths around block boundaries, plus a long one that spans many blocks and chunks.
 PROMPT_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 300]
+
+DEVICE = os.environ.get("NANOVLLM_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 ARCHS = {
     "qwen3-head-dim": ("Qwen3ForCausalLM", dict(head_dim=24)),  # head_dim != hidden / heads
@@ -30,14 +38,14 @@ def random_prompts(lengths, vocab=300, seed=0):
 
 
 def hf_greedy(path, prompts, max_tokens=MAX_TOKENS):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     out = []
     for p in prompts:
         # An explicit mask: without one, generate masks every token equal to pad_token_id.
-        ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             max_new_tokens=max_tokens, do_sample=False)
+        prompt = torch.tensor([p], device=DEVICE)
+        ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_tokens, do_sample=False)
         out.append(ids[0, len(p):].tolist())
     return out
 
@@ -58,7 +66,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_greedy_matches_transformers(checkpoint):
     path, prompts, expected = checkpoint
-    llm = LLM(str(path), dtype="float32", num_kvcache_blocks=256)
+    llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=256)
     assert greedy(llm, prompts) == expected
     metrics = llm.get_metrics()
     assert metrics["num_free_blocks"] == metrics["num_kvcache_blocks"] == 256
@@ -73,14 +81,15 @@ def test_greedy_matches_transformers(checkpoint):
 ])
 def test_same_tokens_under_other_scheduling(checkpoint, settings):
     path, prompts, expected = checkpoint
-    llm = LLM(str(path), dtype="float32", num_kvcache_blocks=256, kvcache_block_size=BLOCK, **settings)
+    llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=256, kvcache_block_size=BLOCK,
+              **settings)
     assert greedy(llm, prompts) == expected
 
 
 def test_preemption_recomputes_to_the_same_tokens(checkpoint):
     path, prompts, expected = checkpoint
     # The short prompts take 13 blocks when admitted together and grow to need 17.
-    llm = LLM(str(path), dtype="float32", num_kvcache_blocks=14, max_model_len=64)
+    llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=14, max_model_len=64)
     assert greedy(llm, prompts[:-1]) == expected[:-1]
     metrics = llm.get_metrics()
     assert metrics["num_preemptions"] > 0
@@ -95,7 +104,7 @@ def test_shared_prefixes_hit_the_cache_and_match(tmp_path):
     exact = [rng.randrange(300) for _ in range(3 * BLOCK)]  # exactly 3 blocks
     prompts += [exact, exact]
     expected = hf_greedy(path, prompts)
-    llm = LLM(str(path), dtype="float32", num_kvcache_blocks=64, kvcache_block_size=BLOCK)
+    llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=64, kvcache_block_size=BLOCK)
     # One at a time, so later prompts find the earlier ones' blocks published.
     assert [greedy(llm, [p])[0] for p in prompts] == expected
     # 2 full prefix blocks for each of the 2 later shared-prefix prompts, 2 of the 3 exact blocks.
@@ -107,8 +116,25 @@ def test_mixed_batch_decodes_while_long_prompt_prefills(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "Qwen2ForCausalLM", max_position_embeddings=512)
     prompts = random_prompts([3, 4, 400, 5], seed=3)
     expected = hf_greedy(path, prompts, max_tokens=20)
-    llm = LLM(str(path), dtype="float32", num_kvcache_blocks=128, max_num_batched_tokens=32)
+    llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=128, max_num_batched_tokens=32)
     assert greedy(llm, prompts, max_tokens=20) == expected
+
+
+def test_bf16_stays_close_to_transformers_fp32(tmp_path):
+    """bf16 (the GPU default) cannot match fp32 token for token; scored by fp32 transformers
+    on the engine's own output, its log-probabilities agree to within bf16 rounding."""
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", max_position_embeddings=512)
+    prompts = random_prompts([5, 40, 130], seed=4)
+    llm = LLM(str(path), dtype="bfloat16", device=DEVICE, num_kvcache_blocks=64, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens], device=DEVICE)).logits[0, len(prompt) - 1:-1]
+        reference = torch.log_softmax(logits.float().cpu(), -1)[torch.arange(len(tokens)), tokens]
+        ours = torch.tensor([position[token].logprob for position, token in zip(out.outputs[0].logprobs, tokens)])
+        assert (ours - reference).abs().max() < 0.1
 
 
 def test_prompt_forms_and_order(tmp_path):
