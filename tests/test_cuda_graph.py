@@ -4,6 +4,8 @@ the padded buffers with the Triton backend; on CPU under Triton's interpreter). 
 replay themselves need CUDA."""
 
 import random
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from conftest import make_tiny_checkpoint, triton_skip_reason
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.attention.selector import BACKEND_ENV
-from nanovllm.engine.cuda_graph import PAD_SLOT, DecodeInputs, graph_batch_sizes, select_bucket
+from nanovllm.engine.cuda_graph import PAD_SLOT, CUDAGraphRunner, DecodeInputs, graph_batch_sizes, select_bucket
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,6 +115,43 @@ def test_padded_lanes_write_nowhere_and_change_no_output(checkpoint, monkeypatch
         assert torch.equal(flat, flat_before)
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(padded).all()
+
+
+class EagerReplay(CUDAGraphRunner):
+    """CUDAGraphRunner without CUDA: each bucket's "graph" reruns the model over the
+    persistent buffers into the output captured for it, which is what a replay does."""
+
+    def capture(self) -> None:
+        self.replays = []
+        for bucket in self.sizes:
+            hidden = self.forward(bucket)
+            self.graphs[bucket] = (SimpleNamespace(replay=partial(self._replay, bucket, hidden)), hidden)
+
+    def _replay(self, bucket: int, hidden: torch.Tensor) -> None:
+        self.replays.append(bucket)
+        hidden.copy_(self.forward(bucket))
+
+
+@pytest.mark.skipif(triton_skip_reason() is not None, reason=str(triton_skip_reason()))
+def test_decode_steps_through_the_graph_buffers_give_the_eager_tokens(checkpoint, monkeypatch):
+    """The model runner's graph path (bucket choice, buffer loading, padding as the batch
+    shrinks, output slicing) with replay done eagerly, so it runs without CUDA."""
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(1, 40))] for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 3, 5, 5, 6, 8)]
+    tokens = []
+    for graphs in (False, True):
+        llm = LLM(str(checkpoint), dtype="float32", device="cpu", num_kvcache_blocks=32, max_model_len=64,
+                  max_num_seqs=6)
+        runner = llm.llm_engine.model_runner
+        if graphs:
+            runner.cuda_graphs = EagerReplay(runner.model, runner.backend, 6, 64, runner.block_size, runner.device)
+            runner.cuda_graphs.capture()
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[1] == tokens[0]
+    # Decode batches of 6, 5 (padded to 6), 4, 2 and 1 sequences replayed.
+    assert set(runner.cuda_graphs.replays) == {6, 4, 2, 1}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

@@ -108,17 +108,20 @@ class CUDAGraphRunner:
         self.inputs = DecodeInputs.allocate(self.sizes[-1], max_model_len, block_size, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
+    def forward(self, bucket: int) -> torch.Tensor:
+        """The model over the first `bucket` lanes of the buffers: what a graph captures."""
+        metadata = self.backend.prepare(self.inputs.layout(bucket))
+        with forward_context(self.backend, metadata):
+            return self.model(self.inputs.input_ids[:bucket], self.inputs.positions[:bucket])
+
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         for bucket in reversed(self.sizes):  # largest first: its pool then serves the smaller ones
-            ids, positions = self.inputs.input_ids[:bucket], self.inputs.positions[:bucket]
-            metadata = self.backend.prepare(self.inputs.layout(bucket))
-            with forward_context(self.backend, metadata):
-                self.model(ids, positions)  # warm-up outside the capture: kernels compiled, workspaces made
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(ids, positions)
+            self.forward(bucket)  # warm-up outside the capture: kernels compiled, workspaces made
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.forward(bucket)
             pool = graph.pool()
             self.graphs[bucket] = (graph, hidden)
         torch.cuda.synchronize()
