@@ -47,17 +47,23 @@ def test_greedy_chat_matches_transformers_on_the_same_gguf(llm, outputs):
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32)
     tokenizer = llm.get_tokenizer()
-    eos_ids = sorted(llm.llm_engine.eos_token_ids)
+    eos_ids = llm.llm_engine.eos_token_ids
     for output in outputs:
-        input_ids = torch.tensor([output.prompt_token_ids])
-        with torch.no_grad():
-            generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                       max_new_tokens=MAX_TOKENS, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
-        expected = generated[0, input_ids.shape[1]:].tolist()
         completion = output.outputs[0]
-        # nano-vllm's output includes the stop token; transformers' too (it appends, then stops).
-        assert completion.token_ids == expected, tokenizer.decode(output.prompt_token_ids)
-        assert completion.finish_reason == ("stop" if expected[-1] in eos_ids else "length")
+        # Greedy decoding is argmax at every step, so transformers' greedy output equals ours exactly
+        # when its argmax after the prompt and each prefix of our output is our next token: one
+        # forward pass checks what `generate` would take 32 to.
+        ids = torch.tensor([output.prompt_token_ids + completion.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(output.prompt_token_ids) - 1 : -1]
+        expected = logits.argmax(-1).tolist()
+        assert completion.token_ids == expected, (
+            f"{output.prompt!r}\nnano-vllm:    {tokenizer.decode(completion.token_ids)!r}"
+            f"\ntransformers: {tokenizer.decode(expected)!r} (each token after our prefix)")
+        # It stopped where transformers would: at an end-of-sequence token, or at max_tokens.
+        stopped = completion.token_ids[-1] in eos_ids
+        assert completion.finish_reason == ("stop" if stopped else "length")
+        assert stopped or len(completion.token_ids) == MAX_TOKENS
 
 
 def test_known_answer(outputs):
