@@ -2,4 +2,7 @@
 
 from nanovllm.entrypoints.cli import main
 
-raise SystemExit(main())
+# Guarded: tensor-parallel ranks are started with multiprocessing's spawn, which imports this
+# module again in each of them.
+if __name__ == "__main__":
+    raise SystemExit(main())
