@@ -88,6 +88,8 @@ class ModelRunner:
             # No point holding more than max_num_seqs full-length sequences can use.
             num_blocks = min(int(available * CPU_KV_CACHE_RAM_SHARE) // per_block,
                              config.max_num_seqs * -(-config.max_model_len // self.block_size))
+        # Ranks may see different free memory; all must agree (and fail alike below).
+        num_blocks = self.tp_group.min_over_ranks(num_blocks)
         needed = -(-config.max_model_len // self.block_size)
         if num_blocks < needed:
             raise ValueError(
