@@ -12,9 +12,9 @@ from itertools import count
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import EngineConfig
+from nanovllm.distributed.executor import make_executor
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Request, Sequence
 from nanovllm.layers.sampler import SamplerOutput
@@ -28,7 +28,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)
         self.eos_token_ids = collect_eos_token_ids(config, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
-        self.model_runner = ModelRunner(config)
+        self.model_runner = make_executor(config)
         self.model_runner.eos_token_ids = self.eos_token_ids
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
