@@ -52,16 +52,18 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                 **(chat_template_kwargs or {}))
-            # The template already holds any special tokens the model wants.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [chat_prompt(tokenizer, c, **(chat_template_kwargs or {})) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict:
         return self.llm_engine.get_metrics()
+
+
+def chat_prompt(tokenizer, conversation: list[dict], **template_kwargs) -> dict:
+    """A conversation through the model's chat template, as a prompt the engine takes."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    # The template already holds the special tokens the model wants.
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _as_prompt_list(prompts) -> list:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import nanovllm.llm
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import EngineConfig
 from nanovllm.entrypoints import cli
@@ -167,18 +168,18 @@ def test_generate_applies_chat_template_by_default(capsys, monkeypatch, tiny_mod
 def test_chat_keeps_history_and_stops_at_exit(capsys, monkeypatch, tiny_model):
     sent: list[list[dict]] = []
     replies: list[str] = []
-    real_chat_prompt, real_stream = cli._chat_prompt, cli.stream
+    real_chat_prompt, real_stream = nanovllm.llm.chat_prompt, cli.stream
 
-    def chat_prompt_spy(llm, messages):
+    def chat_prompt_spy(tokenizer, messages):
         sent.append([dict(m) for m in messages])
-        return real_chat_prompt(llm, messages)
+        return real_chat_prompt(tokenizer, messages)
 
     def stream_spy(*args):
         final = real_stream(*args)
         replies.append(final.outputs[0].text)
         return final
 
-    monkeypatch.setattr(cli, "_chat_prompt", chat_prompt_spy)
+    monkeypatch.setattr(nanovllm.llm, "chat_prompt", chat_prompt_spy)
     monkeypatch.setattr(cli, "stream", stream_spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\nagain\n/exit\nnever sent\n"))
     assert cli.main(["chat", "--system", "be brief", "--max-tokens", "6", "--model", tiny_model]) == 0

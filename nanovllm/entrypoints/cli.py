@@ -119,6 +119,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def run_generate(args: argparse.Namespace) -> int:
     from nanovllm import LLM
+    from nanovllm.llm import chat_prompt
 
     prompts = _read_prompts(args)
     params = _sampling_params(args)  # bad values fail here, before the model loads
@@ -127,7 +128,7 @@ def run_generate(args: argparse.Namespace) -> int:
     use_chat = args.chat if args.chat is not None else tokenizer.chat_template is not None
     if use_chat and tokenizer.chat_template is None:
         raise ValueError("the model has no chat template; run with --no-chat")
-    inputs = [_chat_prompt(llm, [{"role": "user", "content": p}]) if use_chat else p for p in prompts]
+    inputs = [chat_prompt(llm.get_tokenizer(), [{"role": "user", "content": p}]) if use_chat else p for p in prompts]
     if len(prompts) == 1 and not args.json:
         stream(llm, inputs[0], params, sys.stdout)
         return 0
@@ -165,13 +166,6 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _chat_prompt(llm: LLM, messages: list[dict[str, str]]) -> dict[str, Any]:
-    tokenizer = llm.get_tokenizer()
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # The template already holds the special tokens the model wants.
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-
-
 _request_ids = count()
 
 
@@ -204,6 +198,7 @@ def stream(llm: LLM, prompt: str | dict[str, Any], params: SamplingParams, out: 
 
 def run_chat(args: argparse.Namespace) -> int:
     from nanovllm import LLM
+    from nanovllm.llm import chat_prompt
 
     params = _sampling_params(args)
     llm = LLM(**engine_kwargs(args))
@@ -224,7 +219,7 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            reply = stream(llm, _chat_prompt(llm, messages), params, sys.stdout)
+            reply = stream(llm, chat_prompt(llm.get_tokenizer(), messages), params, sys.stdout)
         except ValueError as e:  # e.g. the history outgrew max_model_len: say so, keep the session
             messages.pop()
             print(f"error: {e}", file=sys.stderr)

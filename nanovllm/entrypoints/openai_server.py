@@ -38,6 +38,7 @@ from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                            parse_request)
+from nanovllm.llm import chat_prompt
 from nanovllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -275,11 +276,9 @@ class _Serving:
             raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return chat_prompt(self.tokenizer, messages)
         except (jinja2.TemplateError, ValueError) as e:
             raise APIError(400, f"The model's chat template rejected the messages: {e}", param="messages") from None
-        # The template already holds the special tokens the model wants.
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     # ----- shared -----
 
