@@ -35,12 +35,21 @@ class AttentionBackend(ABC):
     # the host nor reads host values beyond the layout's ints: a decode step can then be
     # captured once and replayed over persistent input buffers (CUDA graphs).
     supports_cuda_graphs: bool = False
+    # False when no kernel ever reads a cache slot that no step has written: the cache can then
+    # be allocated uninitialised (no multi-GB zeroing at start-up, no pages touched until used).
+    needs_zeroed_cache: bool = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's K cache (V's is the same): token-major by default. A backend
+        with its own order inside a block overrides it, keeping block_size * kv_heads *
+        head_dim elements per block (the memory accounting counts on that)."""
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     @abstractmethod
     def prepare(self, layout: BatchLayout) -> object:

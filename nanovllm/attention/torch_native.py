@@ -35,8 +35,6 @@ class TorchNativeMetadata:
 
 class TorchNativeBackend(AttentionBackend):
     def prepare(self, layout: BatchLayout) -> TorchNativeMetadata:
-        cu = layout.cu_seqlens_q.tolist()
-        context_lens = layout.context_lens.tolist()
         device = layout.slot_mapping.device
         decode_idx = [i for i, n in enumerate(layout.query_lens) if n == 1]
         decode_rows = decode_tables = decode_mask = None
@@ -48,18 +46,7 @@ class TorchNativeBackend(AttentionBackend):
             positions = torch.arange(max_blocks * self.block_size, device=device)
             decode_mask = (positions[None, :] < layout.context_lens[idx, None])[:, None, None, :]
             decode_rows = layout.cu_seqlens_q[idx].long()
-        prefills = []
-        for i, q_len in enumerate(layout.query_lens):
-            if q_len == 1:
-                continue
-            ctx = context_lens[i]
-            block_ids = layout.block_tables[i, :-(-ctx // self.block_size)]
-            mask = None
-            if ctx > q_len:
-                # Query j sits at position ctx - q_len + j and sees keys up to there.
-                q_pos = torch.arange(ctx - q_len, ctx, device=device)
-                mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-            prefills.append(PrefillChunk(cu[i], cu[i + 1], block_ids, ctx, mask))
+        prefills = prefill_chunks(layout, self.block_size)
         return TorchNativeMetadata(layout.slot_mapping, decode_rows, decode_tables, decode_mask, prefills)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchNativeMetadata, scale):
@@ -76,11 +63,43 @@ class TorchNativeBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(qd, keys, values, attn_mask=metadata.decode_mask,
                                                  scale=scale, enable_gqa=gqa)
             o[metadata.decode_rows] = out.squeeze(2)
-        for chunk in metadata.prefills:
+        attend_prefills(o, q, k, v, k_cache, v_cache, metadata.prefills, scale)
+        return o
+
+
+def prefill_chunks(layout: BatchLayout, block_size: int) -> list[PrefillChunk]:
+    """One chunk per sequence with more than one new token, in batch order."""
+    cu = layout.cu_seqlens_q.tolist()
+    context_lens = layout.context_lens.tolist()
+    device = layout.slot_mapping.device
+    chunks = []
+    for i, q_len in enumerate(layout.query_lens):
+        if q_len == 1:
+            continue
+        ctx = context_lens[i]
+        block_ids = layout.block_tables[i, :-(-ctx // block_size)]
+        mask = None
+        if ctx > q_len:
+            # Query j sits at position ctx - q_len + j and sees keys up to there.
+            q_pos = torch.arange(ctx - q_len, ctx, device=device)
+            mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
+        chunks.append(PrefillChunk(cu[i], cu[i + 1], block_ids, ctx, mask))
+    return chunks
+
+
+def attend_prefills(o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, chunks: list[PrefillChunk], scale: float) -> None:
+    """Causal attention of each chunk into o. A chunk with no cached prefix attends to its own
+    new k/v; one that continues a prompt reads its whole context from the (written) cache."""
+    kvh, d = k.shape[1], k.shape[2]
+    gqa = q.shape[1] != kvh
+    for chunk in chunks:
+        rows = slice(chunk.q_start, chunk.q_end)
+        if chunk.mask is None:
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        else:
             keys = k_cache[chunk.block_ids].view(-1, kvh, d)[:chunk.context_len].transpose(0, 1)
             values = v_cache[chunk.block_ids].view(-1, kvh, d)[:chunk.context_len].transpose(0, 1)
-            qp = q[chunk.q_start:chunk.q_end].transpose(0, 1)  # [H, q_len, D]
-            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=chunk.mask,
-                                                 is_causal=chunk.mask is None, scale=scale, enable_gqa=gqa)
-            o[chunk.q_start:chunk.q_end] = out.transpose(0, 1)
-        return o
+        out = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys, values, attn_mask=chunk.mask,
+                                             is_causal=chunk.mask is None, scale=scale, enable_gqa=gqa)
+        o[rows] = out.transpose(0, 1)

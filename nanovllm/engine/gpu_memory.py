@@ -46,9 +46,7 @@ def run_warmup_step(model: torch.nn.Module, attn_layers: list[Attention], backen
                     config: EngineConfig, device: torch.device) -> None:
     """One forward at the largest step, plus logits (and their fp32 softmax) for
     max_num_seqs rows, against a scratch cache that is unbound again afterwards."""
-    first = attn_layers[0]
-    scratch = torch.zeros(1, config.kvcache_block_size, first.num_kv_heads, first.head_dim,
-                          dtype=config.torch_dtype, device=device)
+    scratch = torch.zeros(backend.kv_cache_shape(1), dtype=config.torch_dtype, device=device)
     for layer in attn_layers:
         layer.k_cache = layer.v_cache = scratch
     try:

@@ -2,8 +2,8 @@
 pass under the attention backend's metadata, computes logits only for the positions
 that sample, and samples.
 
-It also owns the model weights and the paged KV cache (one [num_blocks, block_size,
-kv_heads, head_dim] tensor each for K and V per layer, sliced into the attention layers).
+It also owns the model weights and the paged KV cache (one tensor each for K and V per
+layer, in the attention backend's layout, sliced into the attention layers).
 """
 
 import os
@@ -19,6 +19,7 @@ from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.gpu_memory import profile_kv_cache_bytes
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.linear import pack_weights_for_cpu
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingBatch, top_logprobs
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
@@ -65,6 +66,8 @@ class ModelRunner:
             from nanovllm.loader.safetensors import iter_safetensors
             weights = iter_safetensors(config.model_path)
         load_weights(model, weights)
+        if self.device.type == "cpu":
+            pack_weights_for_cpu(model)
         return model.eval()
 
     @property
@@ -100,11 +103,12 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self):
-        first = self.attn_layers[0]
-        shape = (len(self.attn_layers), self.num_kvcache_blocks, self.block_size, first.num_kv_heads, first.head_dim)
-        # Zeroed, not empty: padded attention lanes read unused slots, and 0 * NaN garbage is NaN.
-        self.k_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
+        shape = (len(self.attn_layers), *self.backend.kv_cache_shape(self.num_kvcache_blocks))
+        # Zeroed where the backend's padded lanes read unused slots (0 * NaN garbage is NaN);
+        # otherwise left uninitialised, which costs nothing until a page is first written.
+        alloc = torch.zeros if self.backend.needs_zeroed_cache else torch.empty
+        self.k_cache = alloc(shape, dtype=self.config.torch_dtype, device=self.device)
+        self.v_cache = alloc(shape, dtype=self.config.torch_dtype, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
 

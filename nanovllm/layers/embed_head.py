@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
+from nanovllm.layers.linear import apply_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -50,7 +51,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     A tied head is built the same way and then given the embedding's weight parameter.
     """
 
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup):
+        super().__init__(vocab_size, hidden_size, tp_group=tp_group)
+        self.register_buffer("packed_weight", None, persistent=False)  # see pack_weights_for_cpu
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden_size] -> logits [n, vocab_size] on rank 0, None elsewhere."""
-        logits = self.tp_group.gather(F.linear(hidden, self.weight), dim=-1)
+        logits = self.tp_group.gather(apply_linear(hidden, self.weight, None, self.packed_weight), dim=-1)
         return None if logits is None else logits[:, :self.vocab_size]

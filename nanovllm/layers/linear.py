@@ -9,6 +9,10 @@ projection (offset in the packed weight), then which rank (chunk of that project
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes
 the full (unsharded) checkpoint tensor and copies this rank's part, converting dtype.
+
+On CPUs with AVX512-BF16, `pack_weights_for_cpu` gives each bf16 layer a second copy of its
+weight in the layout of the packed decode kernel (nanovllm/kernels/cpu.cpp); the layer then
+runs that kernel for a few rows and oneDNN for many.
 """
 
 import torch
@@ -48,6 +52,32 @@ def _make_params(module: nn.Module, input_size: int, output_size: int, bias: boo
         module.bias.weight_loader = module.weight_loader
     else:
         module.register_parameter("bias", None)
+    module.register_buffer("packed_weight", None, persistent=False)  # see pack_weights_for_cpu
+
+
+def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed_weight: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b; with a packed copy of W, the CPU kernel that picks its method by row count."""
+    if packed_weight is None:
+        return F.linear(x, weight, bias)
+    from nanovllm.kernels.cpu import PACKED_MAX_ROWS
+    return torch.ops.nanovllm_cpu.linear(x, weight, packed_weight, bias, PACKED_MAX_ROWS)
+
+
+def pack_weights_for_cpu(model: nn.Module) -> None:
+    """Give every bf16 CPU layer with a `packed_weight` slot its weight in the packed layout.
+
+    A no-op where the kernel cannot run (no AVX512-BF16, or the kernels failed to build). The
+    copy costs the weights' size again in RAM; it is what lets a decode step stream each weight
+    once at memory bandwidth instead of a third of it.
+    """
+    from nanovllm.kernels import cpu
+    if not cpu.has_packed_linear():
+        return
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if "packed_weight" in module._buffers and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+            module.packed_weight = cpu.pack_linear_weight(weight)
 
 
 class ReplicatedLinear(nn.Module):
@@ -61,7 +91,7 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return apply_linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -79,7 +109,7 @@ class ColumnParallelLinear(nn.Module):
         copy_chunk(param.data, loaded_weight, 0, self.tp_group.rank, self.tp_group.world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return apply_linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -159,5 +189,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank holds the bias, but only rank 0 adds it: the all-reduce sums it once.
-        y = F.linear(x, self.weight, self.bias if self.tp_group.is_first_rank else None)
+        y = apply_linear(x, self.weight, self.bias if self.tp_group.is_first_rank else None, self.packed_weight)
         return self.tp_group.all_reduce(y)

@@ -1,0 +1,463 @@
+// CPU kernels for the decode-heavy parts of a step, registered as torch ops (namespace
+// nanovllm_cpu) and built on first use by nanovllm/kernels/cpu.py.
+//
+//  * linear / linear_packed: y = x W^T (+ b) for a few rows of x, over a bf16 weight packed as
+//    [N/16][K/2][16][2]. Each 64-byte load holds two k-steps of sixteen output columns, so one
+//    AVX512-BF16 dot-product instruction per (row, k-pair) consumes it and the weight streams
+//    from memory exactly once, with no horizontal sums. oneDNN's bf16 GEMV at batch 1 reads
+//    weights at a third of the memory bandwidth; small decode batches are all about bandwidth.
+//  * store_kv: scatters a step's new keys/values into the paged cache by slot (-1 = skip).
+//  * paged_attention: causal attention of every query row of a step (decodes and prefill
+//    chunks alike) over the paged cache, read in place through the block tables.
+//
+// Cache layout (per layer, per block, per KV head; bs = block size, D = head_dim):
+//    keys   [D/2][bs][2]: for each pair of dims, the 16 tokens of a tile side by side, so one
+//           64-byte load times a broadcast query pair yields 16 partial scores at once;
+//    values [bs/2][D][2]: for each pair of tokens, their values interleaved dim by dim, so one
+//           load times a broadcast pair of probabilities adds two tokens into 16 outputs.
+// Both feed AVX512-BF16 dot products with no shuffles and no horizontal sums.
+//
+// Only slots below a sequence's context length are ever read, and those were written by this
+// or an earlier step, so the cache never needs zeroing; lanes past the end are masked before
+// any arithmetic touches them (0 * NaN garbage would be NaN).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using at::BFloat16;
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kHasPackedLinear = true;
+
+// acc += w . (the bf16 pair at p, broadcast to all 16 lanes).
+inline __m512 dot_broadcast(__m512 acc, __m512bh w, const void* p) {
+  uint32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_set1_epi32(pair));
+}
+
+// acc[m] += sum over k of x[m, k] * W[n, k] for one 16-column panel; M rows at once, so
+// each weight load feeds M dot products.
+template <int M>
+void panel_dot(const BFloat16* x, int64_t x_stride, const BFloat16* panel, int64_t K, __m512* acc) {
+  for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+  const int64_t even_k = K & ~int64_t(1);
+  for (int64_t k = 0; k < even_k; k += 2) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + k * 16);
+#pragma GCC unroll 16
+    for (int m = 0; m < M; m++) acc[m] = dot_broadcast(acc[m], w, x + m * x_stride + k);
+  }
+  if (K & 1) {  // the packed weight pads K with a zero column; x must not be read past K
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + even_k * 16);
+    for (int m = 0; m < M; m++) {
+      uint16_t last;
+      std::memcpy(&last, x + m * x_stride + even_k, sizeof(last));
+      acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(last));
+    }
+  }
+}
+
+// One 16-column panel times M rows of x, bias added, rounded to bf16 and stored.
+template <int M>
+void panel_rows(const BFloat16* x, int64_t x_stride, const BFloat16* panel, int64_t K, const BFloat16* bias,
+                BFloat16* y, int64_t y_stride, int64_t cols) {
+  __m512 acc[M];
+  panel_dot<M>(x, x_stride, panel, K, acc);
+  const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  for (int m = 0; m < M; m++)
+    _mm256_mask_storeu_epi16(y + m * y_stride, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+}
+
+using PanelRowsFn = void (*)(const BFloat16*, int64_t, const BFloat16*, int64_t, const BFloat16*, BFloat16*, int64_t,
+                             int64_t);
+constexpr int kMaxRows = 16;  // rows per panel pass: 16 accumulators + the weight in 32 registers
+template <int... Ms>
+constexpr auto make_panel_table(std::integer_sequence<int, Ms...>) {
+  return std::array<PanelRowsFn, sizeof...(Ms)>{&panel_rows<Ms + 1>...};
+}
+constexpr auto kPanelRows = make_panel_table(std::make_integer_sequence<int, kMaxRows>{});
+
+// Threads split the panels (output columns); each panel, once loaded, serves a block of rows 16
+// at a time from L1, and a block of rows stays in L2 while every panel passes over it.
+void linear_packed_impl(const BFloat16* x, int64_t x_stride, const BFloat16* packed, const BFloat16* bias,
+                        BFloat16* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t kRowBlock = 256;
+  const int64_t padded_k = K + (K & 1), panels = (N + 15) / 16;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+      const int64_t m_end = std::min(M, mb + kRowBlock);
+      for (int64_t p = begin; p < end; p++) {
+        const int64_t cols = std::min<int64_t>(16, N - p * 16);
+        for (int64_t m0 = mb; m0 < m_end; m0 += kMaxRows) {
+          kPanelRows[std::min<int64_t>(kMaxRows, m_end - m0) - 1](
+              x + m0 * x_stride, x_stride, packed + p * padded_k * 16, K, bias ? bias + p * 16 : nullptr,
+              y + m0 * N + p * 16, N, cols);
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasPackedLinear = false;
+#endif
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  TORCH_CHECK(kHasPackedLinear, "linear_packed needs a build with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16 rows");
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
+              "packed weight must be [N/16, K/2, 16, 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(packed.size(0) == (N + 15) / 16 && packed.size(1) == (K + 1) / 2, "packed weight does not fit x");
+  at::Tensor y = at::empty({M, N}, x.options());
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const BFloat16* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16, "bad bias");
+    b = bias->data_ptr<BFloat16>();
+  }
+  linear_packed_impl(x.data_ptr<BFloat16>(), x.stride(0), packed.data_ptr<BFloat16>(), b, y.data_ptr<BFloat16>(), M, N,
+                     K);
+#endif
+  return y;
+}
+
+// x W^T + b: the packed kernel for up to max_packed_rows rows, oneDNN's GEMM above (the
+// caller picks the crossover for the CPU: see PACKED_MAX_ROWS in cpu.py).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
+                  const std::optional<at::Tensor>& bias, int64_t max_packed_rows) {
+  if (kHasPackedLinear && packed.has_value() && x.dim() == 2 && x.size(0) <= max_packed_rows && x.stride(1) == 1 &&
+      x.scalar_type() == at::kBFloat16)
+    return linear_packed(x, *packed, bias, weight.size(0));
+  return at::linear(x, weight, bias);
+}
+
+
+// Offsets of (token in block, dim) inside one block of one KV head, in the layouts above.
+inline int64_t key_offset(int64_t t, int64_t d, int64_t bs) { return ((d / 2) * bs + t) * 2 + (d & 1); }
+inline int64_t value_offset(int64_t t, int64_t d, int64_t D) { return ((t / 2) * D + d) * 2 + (t & 1); }
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  // k, v: [T, KVH, D], each head's D contiguous; caches: [blocks, KVH, bs * D].
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3, "caches: [blocks, KVH, bs*D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtypes");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v heads must be contiguous");
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(2) / D;
+  TORCH_CHECK(k_cache.size(1) == KVH && bs * D == k_cache.size(2), "cache shape does not fit k");
+  const int64_t num_slots = k_cache.size(0) * bs;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto run = [&](auto* type_tag) {
+    using T_ = std::remove_pointer_t<decltype(type_tag)>;
+    T_* kc = k_cache.data_ptr<T_>();
+    T_* vc = v_cache.data_ptr<T_>();
+    const T_* ks = k.data_ptr<T_>();
+    const T_* vs = v.data_ptr<T_>();
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;  // a padding row
+        TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache");
+        const int64_t block = slot / bs, pos = slot % bs;
+        for (int64_t h = 0; h < KVH; h++) {
+          T_* kb = kc + (block * KVH + h) * bs * D;
+          T_* vb = vc + (block * KVH + h) * bs * D;
+          const T_* kr = ks + t * k.stride(0) + h * k.stride(1);
+          const T_* vr = vs + t * v.stride(0) + h * v.stride(1);
+          for (int64_t d = 0; d < D; d++) {
+            kb[key_offset(pos, d, bs)] = kr[d];
+            vb[value_offset(pos, d, D)] = vr[d];
+          }
+        }
+      }
+    });
+  };
+  if (k.scalar_type() == at::kBFloat16) {
+    run(static_cast<BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kFloat, "store_kv supports float32 and bfloat16");
+    run(static_cast<float*>(nullptr));
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------------
+
+// One unit of work: query rows [row_begin, row_end) of one sequence, one KV head.
+struct Item {
+  int64_t seq, head, row_begin, row_end;
+  double cost;
+};
+
+// A (query row, query head) pair; `last` is the last key position it may see.
+template <typename T>
+struct Row {
+  const T* q;
+  T* out;
+  int64_t last;
+};
+
+struct Paged {
+  const int32_t* table;  // the sequence's block table
+  int64_t bs, D, KVH, head;
+  // Start of one block's data for this KV head.
+  template <typename T>
+  const T* block(const T* cache, int64_t t) const {
+    return cache + (int64_t(table[t / bs]) * KVH + head) * bs * D;
+  }
+};
+
+// Portable path (fp32, or shapes the vectorised path does not take): one row at a time.
+template <typename T>
+void attend_rows_generic(const Row<T>* rows, int n, const T* k_cache, const T* v_cache, const Paged& pg,
+                         float scale, std::vector<float>& scratch) {
+  const int64_t D = pg.D, bs = pg.bs;
+  for (int r = 0; r < n; r++) {
+    const int64_t len = rows[r].last + 1;
+    scratch.resize(len + D);
+    float* s = scratch.data();
+    float* acc = s + len;
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; t++) {
+      const T* kb = pg.block(k_cache, t);
+      float dot = 0;
+      for (int64_t d = 0; d < D; d++) dot += float(rows[r].q[d]) * float(kb[key_offset(t % bs, d, bs)]);
+      s[t] = dot * scale;
+      max_score = std::max(max_score, s[t]);
+    }
+    float sum = 0;
+    for (int64_t t = 0; t < len; t++) sum += (s[t] = std::exp(s[t] - max_score));
+    std::fill(acc, acc + D, 0.0f);
+    for (int64_t t = 0; t < len; t++) {
+      const T* vb = pg.block(v_cache, t);
+      for (int64_t d = 0; d < D; d++) acc[d] += s[t] * float(vb[value_offset(t % bs, d, D)]);
+    }
+    for (int64_t d = 0; d < D; d++) rows[r].out[d] = T(acc[d] / sum);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// exp for softmax arguments (x <= 0), relative error ~2e-7: 2^n * p(r), r in [-ln2/2, ln2/2].
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180560f), x);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// bf16, D = 16 * chunks, block size a multiple of 16: NR rows at once over 16-key tiles with an
+// online softmax, so every key and value load feeds NR dot products. Scores accumulate in fp32;
+// probabilities are rounded to bf16 for the value sum, as flash attention does.
+template <int chunks, int NR>
+void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const BFloat16* v_cache, const Paged& pg,
+                      float scale) {
+  constexpr int D = 16 * chunks;
+  const int64_t bs = pg.bs;
+  __m512 acc[NR][chunks];
+  float running_max[NR], running_sum[NR];
+  int64_t last = 0;
+  for (int r = 0; r < NR; r++) {
+    for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    running_sum[r] = 0;
+    last = std::max(last, rows[r].last);
+  }
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 <= last; t0 += 16) {
+    const BFloat16* keys = pg.block(k_cache, t0) + (t0 % bs) * 2;
+    const BFloat16* values = pg.block(v_cache, t0) + (t0 % bs) * D;
+    if (t0 + 16 <= last) {  // blocks sit anywhere in memory: fetch the next tile while on this one
+      const char* next_keys = (const char*)(pg.block(k_cache, t0 + 16) + ((t0 + 16) % bs) * 2);
+      const char* next_values = (const char*)(pg.block(v_cache, t0 + 16) + ((t0 + 16) % bs) * D);
+      for (int dp = 0; dp < D / 2; dp++) _mm_prefetch(next_keys + dp * bs * 4, _MM_HINT_T0);
+      for (int line = 0; line < D / 2; line++) _mm_prefetch(next_values + line * 64, _MM_HINT_T0);
+    }
+    __m512 s[NR];
+    for (int r = 0; r < NR; r++) s[r] = _mm512_setzero_ps();
+    for (int dp = 0; dp < D / 2; dp++) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + dp * bs * 2);
+      for (int r = 0; r < NR; r++) s[r] = dot_broadcast(s[r], k, rows[r].q + 2 * dp);
+    }
+    alignas(64) uint16_t probs[NR][16];
+    for (int r = 0; r < NR; r++) {
+      const int64_t visible = std::clamp<int64_t>(rows[r].last - t0 + 1, 0, 16);
+      if (visible == 0) {  // this row's keys ended in an earlier tile
+        std::memset(probs[r], 0, sizeof(probs[r]));
+        continue;
+      }
+      const __mmask16 mask = (__mmask16)((1u << visible) - 1);
+      const __m512 scores = _mm512_mask_blend_ps(mask, minus_inf, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
+      const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(scores));
+      const float correction = std::exp(running_max[r] - new_max);
+      const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+      running_sum[r] = running_sum[r] * correction + _mm512_reduce_add_ps(p);
+      running_max[r] = new_max;
+      for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));
+      _mm256_store_si256((__m256i*)probs[r], (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    // Token pairs up to the last visible key of any row; a pair whose second token lies past
+    // it has that token's values zeroed, since the slot may never have been written.
+    const int64_t visible = std::min<int64_t>(last - t0 + 1, 16);
+    for (int64_t tp = 0; 2 * tp < visible; tp++) {
+      const bool half = 2 * tp + 1 >= visible;
+      for (int c = 0; c < chunks; c++) {
+        __m512i v = _mm512_loadu_si512(values + tp * D * 2 + c * 32);
+        if (half) v = _mm512_maskz_mov_epi16(0x55555555u, v);
+        for (int r = 0; r < NR; r++)
+          acc[r][c] = dot_broadcast(acc[r][c], (__m512bh)v, probs[r] + 2 * tp);
+      }
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    const __m512 inv = _mm512_set1_ps(1.0f / running_sum[r]);
+    for (int c = 0; c < chunks; c++)
+      _mm256_storeu_si256((__m256i*)(rows[r].out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+  }
+}
+
+// Rows per call: as many as registers allow (NR * (chunks + 1) accumulators); a decode's GQA
+// group (its query heads share every key and value) fits in one call.
+template <int chunks>
+constexpr int kRowsAtOnce = chunks <= 4 ? 4 : 2;
+
+template <int chunks, int... NRs>
+void attend_rows_bf16_groups(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
+                             const Paged& pg, float scale, std::integer_sequence<int, NRs...>) {
+  using Fn = void (*)(const Row<BFloat16>*, const BFloat16*, const BFloat16*, const Paged&, float);
+  constexpr Fn by_count[] = {&attend_rows_bf16<chunks, NRs + 1>...};
+  constexpr int R = sizeof...(NRs);
+  for (int i = 0; i < n; i += R) by_count[std::min(R, n - i) - 1](rows + i, k_cache, v_cache, pg, scale);
+}
+
+template <int chunks>
+void attend_rows_bf16_any(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
+                          const Paged& pg, float scale) {
+  attend_rows_bf16_groups<chunks>(rows, n, k_cache, v_cache, pg, scale,
+                                  std::make_integer_sequence<int, kRowsAtOnce<chunks>>{});
+}
+
+using AttendRowsFn = void (*)(const Row<BFloat16>*, int, const BFloat16*, const BFloat16*, const Paged&, float);
+// head_dim 16, 32, ..., 128 (index head_dim / 16 - 1); other sizes go the portable way.
+constexpr AttendRowsFn kAttendRows[8] = {
+    &attend_rows_bf16_any<1>, &attend_rows_bf16_any<2>, &attend_rows_bf16_any<3>, &attend_rows_bf16_any<4>,
+    &attend_rows_bf16_any<5>, &attend_rows_bf16_any<6>, &attend_rows_bf16_any<7>, &attend_rows_bf16_any<8>};
+#endif
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
+                     double scale) {
+  // q, out: [T, H, D] (each head's D contiguous); caches [blocks, KVH, bs * D]; sequence i owns
+  // query rows cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of which sits at position
+  // context_lens[i] - 1; block_tables [B, max_blocks] int32.
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtypes differ");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt, "cu_seqlens_q/context_lens/block_tables: int32");
+  TORCH_CHECK(block_tables.is_contiguous() && cu_seqlens_q.is_contiguous() && context_lens.is_contiguous(),
+              "metadata must be contiguous");
+  const int64_t B = context_lens.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), bs = k_cache.size(2) / D, G = H / KVH, max_blocks = block_tables.size(1);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+
+  // Work items of up to 16 query rows, heaviest first, dealt out to threads in turn: causal
+  // rows late in a long prompt cost far more than early ones or than a short decode.
+  constexpr int64_t kRowsPerItem = 16;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t q_len = cu[b + 1] - cu[b], ctx = lens[b];
+    TORCH_CHECK(q_len >= 0 && ctx >= q_len && ctx <= max_blocks * bs, "sequence ", b, ": bad lengths");
+    for (int64_t r0 = 0; r0 < q_len; r0 += kRowsPerItem) {
+      const int64_t r1 = std::min(q_len, r0 + kRowsPerItem);
+      const double cost = double(r1 - r0) * double(ctx - q_len + (r0 + r1) / 2 + 16);
+      for (int64_t h = 0; h < KVH; h++) items.push_back({b, h, cu[b] + r0, cu[b] + r1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t n_items = int64_t(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
+
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const T* kc = k_cache.data_ptr<T>();
+    const T* vc = v_cache.data_ptr<T>();
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<Row<T>> rows;
+      std::vector<float> scratch;
+      for (int64_t worker = begin; worker < end; worker++) {
+        for (int64_t i = worker; i < n_items; i += threads) {
+          const Item& it = items[i];
+          const int64_t first_pos = lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]);
+          rows.clear();
+          for (int64_t row = it.row_begin; row < it.row_end; row++)
+            for (int64_t g = 0; g < G; g++) {
+              const int64_t head = it.head * G + g;
+              rows.push_back({q.data_ptr<T>() + row * q.stride(0) + head * q.stride(1),
+                              out.data_ptr<T>() + row * out.stride(0) + head * out.stride(1),
+                              first_pos + row - cu[it.seq]});
+            }
+          const Paged pg{tables + it.seq * max_blocks, bs, D, KVH, it.head};
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if constexpr (std::is_same_v<T, BFloat16>) {
+            if (D % 16 == 0 && D <= 128 && bs % 16 == 0) {
+              kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, float(scale));
+              continue;
+            }
+          }
+#endif
+          attend_rows_generic<T>(rows.data(), int(rows.size()), kc, vc, pg, float(scale), scratch);
+        }
+      }
+    });
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(static_cast<BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
+    run(static_cast<float*>(nullptr));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nanovllm_cpu, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias, int max_packed_rows) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+        "Tensor context_lens, Tensor block_tables, float scale) -> ()");
+  m.def("has_packed_linear() -> bool", [] { return kHasPackedLinear; });
+}
+
+TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("linear_packed", &linear_packed);
+  m.impl("store_kv", &store_kv);
+  m.impl("paged_attention", &paged_attention);
+}

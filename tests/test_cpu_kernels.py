@@ -1,0 +1,147 @@
+"""The compiled CPU kernels against plain PyTorch on random inputs.
+
+Attention: the CPU backend against the portable backend on random paged steps (shuffled block
+tables, decodes, whole prompts, chunks after a cached prefix, GQA groups, block sizes 16 and
+32, head dims on both the vectorised bf16 path and the portable one). Both caches get the same
+prefix through their own backend's store; every slot no step wrote holds NaN in the CPU
+backend's cache, so a kernel that read one would return NaN.
+
+Packed linear: against F.linear in fp32 on the same bf16 inputs, for row counts on both sides
+of the register-blocking limit, output sizes that are not multiples of 16 and an odd K.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.attention.base import BatchLayout
+from nanovllm.attention.torch_native import TorchNativeBackend
+from nanovllm.kernels import cpu as cpu_kernels
+
+if not cpu_kernels.available():
+    pytest.skip("the CPU kernels could not be built here", allow_module_level=True)
+
+from nanovllm.attention.cpu import CPUBackend  # noqa: E402
+
+MIXED = [(1, 1), (37, 37), (50, 1), (70, 20), (32, 32), (129, 1), (100, 67), (16, 1), (17, 2)]
+DECODES = [(1, 1), (16, 1), (17, 1), (65, 1), (130, 1), (300, 1)]
+# (num_heads, num_kv_heads, head_dim): MHA, GQA 3 (SmolLM2), MQA; 64 and 128 take the
+# vectorised bf16 path, 24 the portable one.
+HEADS = [(4, 4, 64), (9, 3, 64), (8, 1, 128), (4, 2, 24)]
+
+
+def paged_step(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """A random step over a random paged cache.
+
+    Returns (q, k, v, prefix_k, prefix_v, prefix_slots, num_blocks, layout): each sequence's
+    cached prefix (context_len - query_len tokens) is given as k/v rows and the slots they
+    belong in, for each backend to store in its own layout. Block tables are drawn from a
+    shuffled pool, so they are neither contiguous nor ordered, and some blocks belong to no one.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-ctx // block_size) for ctx, _ in seqs]
+    num_blocks = sum(blocks_needed) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    block_tables = torch.full((len(seqs), max(blocks_needed)), -1, dtype=torch.int32)
+    slots, prefix_slots = [], []
+    for i, ((ctx, q_len), n) in enumerate(zip(seqs, blocks_needed)):
+        table = [pool.pop() for _ in range(n)]
+        block_tables[i, :n] = torch.tensor(table)
+        seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
+        prefix_slots += seq_slots[:ctx - q_len]
+        slots += seq_slots[ctx - q_len:]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    num_tokens = sum(q for _, q in seqs)
+    q = randn(num_tokens, num_heads, head_dim)
+    k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
+    prefix_k, prefix_v = randn(len(prefix_slots), num_kv_heads, head_dim), randn(len(prefix_slots), num_kv_heads, head_dim)
+    query_lens = [q_len for _, q_len in seqs]
+    cu_seqlens = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.tensor(query_lens).cumsum(0)
+    layout = BatchLayout(
+        query_lens=query_lens,
+        context_lens=torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32),
+        cu_seqlens_q=cu_seqlens,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_context_len=max(ctx for ctx, _ in seqs),
+    )
+    return q, k, v, prefix_k, prefix_v, torch.tensor(prefix_slots, dtype=torch.int64), num_blocks, layout
+
+
+def token_major(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU backend's caches ([blocks, KVH, bs * D], see cpu.cpp) as [blocks * bs, KVH, D]."""
+    blocks, kvh, width = k_cache.shape
+    bs = width // head_dim
+    k = k_cache.view(blocks, kvh, head_dim // 2, bs, 2).permute(0, 3, 1, 2, 4)
+    v = v_cache.view(blocks, kvh, bs // 2, head_dim, 2).permute(0, 2, 4, 1, 3)
+    return k.reshape(-1, kvh, head_dim), v.reshape(-1, kvh, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "h{}-kv{}-d{}".format(*h))
+@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_attention_matches_portable_backend(seqs, heads, block_size, dtype):
+    q, k, v, prefix_k, prefix_v, prefix_slots, num_blocks, layout = paged_step(seqs, *heads, block_size, dtype)
+    scale = heads[2] ** -0.5
+    # The reference runs in fp32 on the same (bf16-representable) values, over a zeroed cache.
+    ref_backend = TorchNativeBackend(*heads, block_size)
+    ref_caches = [torch.zeros(ref_backend.kv_cache_shape(num_blocks)) for _ in range(2)]
+    for cache, rows in zip(ref_caches, (prefix_k, prefix_v)):
+        cache.view(-1, *rows.shape[1:])[prefix_slots] = rows.float()
+    ref = ref_backend.forward(q.float(), k.float(), v.float(), *ref_caches, ref_backend.prepare(layout), scale)
+
+    backend = CPUBackend(*heads, block_size)
+    caches = [torch.full(backend.kv_cache_shape(num_blocks), float("nan"), dtype=dtype) for _ in range(2)]
+    torch.ops.nanovllm_cpu.store_kv(prefix_k, prefix_v, *caches, prefix_slots)
+    out = backend.forward(q, k, v, *caches, backend.prepare(layout), scale)
+
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[prefix_slots] = written[layout.slot_mapping] = True
+    for cache, ref_cache in zip(token_major(*caches, heads[2]), ref_caches):
+        assert torch.equal(cache[written].float(), ref_cache.view_as(cache)[written])
+        assert cache[~written].isnan().all()  # nothing wrote or read outside the sequences' slots
+    assert not out.isnan().any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    else:
+        # bf16 keeps 8 significant bits: the output's own rounding is up to 2^-9 relative, and the
+        # kernel rounds the softmax probabilities to bf16 before the value sum (as flash attention
+        # does), which adds about as much again on outputs of size ~1.
+        torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_packed_linear(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 19])
+@pytest.mark.parametrize("n, k", [(64, 64), (40, 33), (960, 576)])
+def test_packed_linear_matches_fp32(n, k, rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    out = cpu_kernels.linear_packed(x, cpu_kernels.pack_linear_weight(w), b, n)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # fp32 accumulation in another order, then one rounding to bf16 (2^-9 relative).
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_packed_linear(), reason="needs AVX512-BF16")
+def test_packed_linear_reads_rows_with_a_stride():
+    """x may be a column slice of a wider tensor (rows apart by more than K)."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(5, 100, generator=gen).bfloat16()
+    x = wide[:, 10:74]
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    out = cpu_kernels.linear_packed(x, cpu_kernels.pack_linear_weight(w), None, 48)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-2)
