@@ -2,6 +2,11 @@
 
 The model runner binds `k_cache`/`v_cache` (one layer's slice of the paged cache) after
 allocating the cache; until then the layer cannot run.
+
+Under `torch.compile` the backend call goes through the custom op `nanovllm::attention`,
+which the compiler sees as one opaque call that writes this layer's cache: the step's
+metadata (Python lists, per-step ints) stays outside the graph, so one compiled graph serves
+every step, and every layer of every model of the same shape.
 """
 
 import torch
@@ -21,11 +26,28 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, KVH*D] -> [T, H*D]."""
-        ctx = get_forward_context()
-        o = ctx.backend.forward(
-            q.view(-1, self.num_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim),
-            self.k_cache, self.v_cache, ctx.metadata, self.scale,
-        )
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        attend = torch.ops.nanovllm.attention if torch.compiler.is_compiling() else _attention
+        o = attend(q, k, v, self.k_cache, self.v_cache, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    ctx = get_forward_context()
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale)
+
+
+# Defined through torch.library.Library rather than custom_op: the same op, at an eighth of the
+# call overhead (3 us against 24), which counts thirty times per step. The compiler calls it on
+# the cache tensors themselves: declared mutations of graph inputs stay in place, no copies.
+_lib = torch.library.Library("nanovllm", "DEF")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale) -> Tensor")
+_lib.impl("attention", _attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("nanovllm::attention")
+def _(q, k, v, k_cache, v_cache, scale):
+    return torch.empty_like(q)
