@@ -7,8 +7,6 @@ layer, in the attention backend's layout, sliced into the attention layers).
 """
 
 import logging
-import math
-import mmap
 import os
 import time
 
@@ -62,18 +60,6 @@ def compile_with_dynamic_tokens(module: torch.nn.Module) -> None:
         return compiled(*args)
 
     module.forward = forward
-
-
-def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised CPU tensor in private memory advised for transparent huge pages.
-
-    Attention reads the cache a few KB at a time from all over it: a layer's share of a decode
-    step spans thousands of 4 KB pages, more than the TLB holds, so nearly every tile costs a
-    page walk; 2 MB pages make that a handful. Pages are still only allocated when written."""
-    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the buffer alive
 
 
 class ModelRunner:
@@ -156,13 +142,14 @@ class ModelRunner:
 
     def _allocate_kv_cache(self):
         shape = (len(self.attn_layers), *self.backend.kv_cache_shape(self.num_kvcache_blocks))
-        # Zeroed where the backend's padded lanes read unused slots (0 * NaN garbage is NaN);
-        # otherwise left uninitialised, which costs nothing until a page is first written.
-        alloc = torch.zeros if self.backend.needs_zeroed_cache else torch.empty
-        if self.device.type == "cpu" and not self.backend.needs_zeroed_cache:
-            alloc = empty_in_huge_pages
-        self.k_cache = alloc(shape, dtype=self.config.torch_dtype, device=self.device)
-        self.v_cache = alloc(shape, dtype=self.config.torch_dtype, device=self.device)
+        dtype = self.config.torch_dtype
+        if self.backend.needs_zeroed_cache:  # padded lanes read unused slots, and 0 * NaN garbage is NaN
+            self.k_cache, self.v_cache = (torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
+        elif self.device.type == "cpu":  # uninitialised costs nothing until a page is first written
+            from nanovllm.kernels.cpu import empty_in_huge_pages
+            self.k_cache, self.v_cache = (empty_in_huge_pages(shape, dtype) for _ in range(2))
+        else:
+            self.k_cache, self.v_cache = (torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2))
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
 

@@ -15,6 +15,8 @@ weight in the layout of the packed decode kernel (nanovllm/kernels/cpu.cpp); the
 runs that kernel for a few rows and oneDNN for many.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,16 +70,21 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
     """Give every bf16 CPU layer with a `packed_weight` slot its weight in the packed layout.
 
     A no-op where the kernel cannot run (no AVX512-BF16, or the kernels failed to build). The
-    copy costs the weights' size again in RAM; it is what lets a decode step stream each weight
-    once at memory bandwidth instead of a third of it.
+    copies cost the weights' size again in RAM; they are what lets a decode step stream each
+    weight once at memory bandwidth instead of a third of it. They share one arena in huge pages.
     """
     from nanovllm.kernels import cpu
     if not cpu.has_packed_linear():
         return
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if "packed_weight" in module._buffers and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-            module.packed_weight = cpu.pack_linear_weight(weight)
+    modules = [m for m in model.modules() if "packed_weight" in m._buffers
+               and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    shapes = [cpu.packed_shape(m.weight) for m in modules]
+    arena = cpu.empty_in_huge_pages((sum(math.prod(s) for s in shapes),), torch.bfloat16)
+    offset = 0
+    for module, shape in zip(modules, shapes):
+        size = math.prod(shape)
+        module.packed_weight = cpu.pack_linear_weight(module.weight, out=arena[offset:offset + size].view(shape))
+        offset += size
 
 
 class ReplicatedLinear(nn.Module):
