@@ -115,7 +115,10 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     packed weights: hardware prefetchers stop at page boundaries), 2 MB pages save a page walk
     every 4 KB: a third off decode attention and off batch-1 linears on the machines we measured.
     """
-    buffer = mmap.mmap(-1, max(1, math.prod(shape) * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:  # mmap cannot map nothing
+        return torch.empty(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the buffer alive

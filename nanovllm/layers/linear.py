@@ -78,6 +78,8 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
         return
     modules = [m for m in model.modules() if "packed_weight" in m._buffers
                and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    if not modules:
+        return
     shapes = [cpu.packed_shape(m.weight) for m in modules]
     arena = cpu.empty_in_huge_pages((sum(math.prod(s) for s in shapes),), torch.bfloat16)
     offset = 0
