@@ -179,36 +179,33 @@ class ModelRunner:
         logger.info("compiled the decoder layers for CPU in %.1f s", self.compile_seconds)
 
     def _prepare(self, batch: ScheduledBatch):
+        """The step's flat tensors, built with whole-batch numpy ops: per sequence, only its new
+        token ids and its block table are copied out of Python lists."""
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        context_lens = []
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = np.full((len(batch), max_blocks), -1, dtype=np.int32)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            pos = np.arange(start, end)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            block_tables[i, :len(table)] = table
-            context_lens.append(end)
-        query_lens = batch.num_new_tokens
-        cu_seqlens = np.zeros(len(batch) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu_seqlens[1:])
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((seq.num_computed_tokens for seq in batch.seqs), np.int64, len(batch))
+        context_lens = starts + num_new
+        cu_seqlens = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu_seqlens[1:])
+        block_tables = np.full((len(batch), max(len(seq.block_table) for seq in batch.seqs)), -1, dtype=np.int32)
+        input_ids = []
+        for i, (seq, start, end) in enumerate(zip(batch.seqs, starts.tolist(), context_lens.tolist())):
+            input_ids += seq.token_ids[start:end]
+            block_tables[i, :len(seq.block_table)] = seq.block_table
+        seq_of_token = np.repeat(np.arange(len(batch)), num_new)
+        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, num_new)
+        slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         dev = self.device
         layout = BatchLayout(
-            query_lens=list(query_lens),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.from_numpy(cu_seqlens).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_lens=list(batch.num_new_tokens),
+            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu_seqlens.astype(np.int32)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
+            max_query_len=int(num_new.max()),
+            max_context_len=int(context_lens.max()),
         )
-        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.from_numpy(np.concatenate(positions)).to(dev),
-                layout)
+        return torch.tensor(input_ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), layout
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
