@@ -4,8 +4,10 @@ in one vectorised pass (no per-request loop over the vocabulary).
 Order, as in vLLM: logprobs of the raw logits; penalties (repetition on prompt and output
 tokens, presence and frequency on output tokens); min_tokens masking of stop ids; greedy
 rows take the argmax; the others are scaled by temperature, filtered by min-p, top-k and
-top-p, and drawn with the Gumbel-max trick (argmax of probs / Exp(1) noise). Seeded rows
-draw their noise from their own generator, so their tokens do not depend on the batch.
+top-p, and drawn by inverse transform sampling: one uniform number per row, looked up in the
+row's cumulative probabilities. (The Gumbel-max trick needs a random number per vocabulary
+entry: 38 ms a step for 40 rows of SmolLM2's 49k vocabulary on two CPU cores, against 1 ms.)
+Seeded rows draw from their own generator, so their tokens do not depend on the batch.
 """
 
 from dataclasses import dataclass, field
@@ -142,16 +144,19 @@ class Sampler(nn.Module):
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if batch.top_k is not None or batch.top_p is not None:
             logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
+        cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
+        uniform = torch.empty(len(cdf), 1, device=cdf.device)
         shared = [row for row, g in enumerate(batch.generators) if g is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=generator)
+            uniform[shared] = torch.rand(len(shared), 1, generator=generator, device=cdf.device)
         for row, g in enumerate(batch.generators):
             if g is not None:
-                noise[row] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
-        return (probs / noise).argmax(dim=-1)
+                uniform[row] = torch.rand(1, generator=g).to(cdf.device)
+        total = cdf[:, -1:]
+        # The first token whose cumulative probability exceeds u * total; u < 1, but the product
+        # may round up to the total, past the last token with any probability.
+        target = torch.minimum(uniform * total, total.nextafter(torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
