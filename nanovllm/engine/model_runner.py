@@ -42,9 +42,9 @@ def compile_on_cpu(config: EngineConfig, device: torch.device, tp_group: TPGroup
 
 def compile_with_dynamic_tokens(module: torch.nn.Module) -> None:
     """torch.compile `module`'s forward with the leading (token) dim of its tensor arguments
-    dynamic and everything else static: static shapes keep the guards cheap (the cache's size
-    never changes), and marking the token dim up front spares a first graph specialised to the
-    first size seen. One token is a size the compiler always specialises: it gets its own graph.
+    dynamic and everything else static. The token dim is marked unbacked, a size the compiler
+    may not specialise on (not even 1, which it otherwise gives a graph of its own), so one graph
+    serves every step; static shapes elsewhere keep the guards cheap (the cache never resizes).
 
     emulate_precision_casts: the fused kernels round to bf16 wherever the eager code does (after
     the residual add, the norm, RoPE, SiLU). Without it Inductor keeps fused intermediates in
@@ -55,8 +55,7 @@ def compile_with_dynamic_tokens(module: torch.nn.Module) -> None:
 
     def forward(*args):
         for arg in args:
-            if arg.shape[0] > 1:
-                torch._dynamo.maybe_mark_dynamic(arg, 0)
+            torch._dynamo.decorators.mark_unbacked(arg, 0)
         return compiled(*args)
 
     module.forward = forward
@@ -160,21 +159,19 @@ class ModelRunner:
         compiled graph (parameters and cache are graph inputs), so 30 layers compile once and a
         second engine in the same process compiles nothing. The token count is dynamic, and
         attention is one opaque op and the linear op picks its kernel by row count at run time,
-        so one graph serves prefill, decode and mixed steps alike; the compiler specialises a
-        size of 1 on its own, so 1 and 2 tokens are both warmed up.
+        so one graph serves prefill, decode and mixed steps alike.
         """
         start = time.perf_counter()
         for layer in self.model.model.layers:
             compile_with_dynamic_tokens(layer)
-        for n in (1, 2):
-            # Writes garbage K/V into block 0, harmless: a block's slots are always written by
-            # the sequence that owns them before anything reads them.
-            blocks = torch.arange(-(-n // self.block_size), dtype=torch.int32)
-            layout = BatchLayout(query_lens=[n], context_lens=torch.tensor([n], dtype=torch.int32),
-                                 cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), slot_mapping=torch.arange(n),
-                                 block_tables=blocks[None], max_query_len=n, max_context_len=n)
-            with torch.inference_mode(), forward_context(self.backend, self.backend.prepare(layout)):
-                self.model(torch.zeros(n, dtype=torch.long), torch.arange(n))
+        # Writes garbage K/V into slot 0, harmless: a block's slots are always written by the
+        # sequence that owns them before anything reads them.
+        one = torch.ones(1, dtype=torch.int32)
+        layout = BatchLayout(query_lens=[1], context_lens=one, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                             slot_mapping=torch.zeros(1, dtype=torch.long), block_tables=torch.zeros_like(one)[None],
+                             max_query_len=1, max_context_len=1)
+        with torch.inference_mode(), forward_context(self.backend, self.backend.prepare(layout)):
+            self.model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
         self.compile_seconds = time.perf_counter() - start
         logger.info("compiled the decoder layers for CPU in %.1f s", self.compile_seconds)
 
