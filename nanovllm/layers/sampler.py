@@ -107,10 +107,13 @@ class Sampler(nn.Module):
         logits = self._penalize(logits, batch)
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
-        tokens = logits.argmax(dim=-1)
-        sampled_rows = batch.temperatures > 0
-        if bool(sampled_rows.any()):
-            tokens = torch.where(sampled_rows, self._draw(logits, batch, generator), tokens)
+        greedy_rows = batch.temperatures == 0
+        if bool(greedy_rows.all()):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._draw(logits, batch, generator)
+            if bool(greedy_rows.any()):
+                tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
         out = SamplerOutput(tokens.tolist(), [None] * len(tokens))
         if wanted:
             chosen_lp, ranks, top = top_logprobs(raw_logprobs, tokens, max(wanted))
