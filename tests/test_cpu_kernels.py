@@ -8,8 +8,10 @@ backend's cache, so a kernel that read one would return NaN.
 
 Packed linear: against F.linear in fp32 on the same bf16 inputs, for row counts on both sides
 of the register-blocking limit, output sizes that are not multiples of 16 and an odd K.
+The linear op: F.linear's bf16 result on either side of its row crossover.
 """
 
+import gc
 import random
 
 import pytest
@@ -145,3 +147,28 @@ def test_packed_linear_reads_rows_with_a_stride():
     w = torch.randn(48, 64, generator=gen).bfloat16()
     out = cpu_kernels.linear_packed(x, cpu_kernels.pack_linear_weight(w), None, 48)
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-2)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_packed_linear() or not torch.backends.mkldnn.is_available(),
+                    reason="needs AVX512-BF16 and oneDNN")
+@pytest.mark.parametrize("rows", [1, 64, 65, 300])
+def test_linear_op_equals_torch_on_both_kernels(rows):
+    """Up to the crossover the packed kernel, above it oneDNN's GEMM on its own packed copy;
+    both sum in fp32 and round once, as F.linear does (to the last bit here; only the order of
+    the sums may differ on another CPU)."""
+    torch.manual_seed(rows)
+    w, b = torch.randn(100, 96, dtype=torch.bfloat16), torch.randn(100, dtype=torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    handle = cpu_kernels.onednn_pack(w, owner)
+    out = torch.ops.nanovllm_cpu.linear(x, w, cpu_kernels.pack_linear_weight(w), b, 64, handle)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=2 ** -8, atol=0)
+    del owner  # releases oneDNN's copy; its handle must not silently reach freed memory
+    gc.collect()
+    if rows > 64:
+        with pytest.raises(RuntimeError, match="was released"):
+            torch.ops.nanovllm_cpu.linear(x, w, cpu_kernels.pack_linear_weight(w), b, 64, handle)

@@ -8,6 +8,7 @@ callers fall back to plain PyTorch.
 
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
+`onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
 `store_kv`, `paged_attention`; see cpu.cpp.
 """
 
@@ -17,6 +18,7 @@ import logging
 import math
 import mmap
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +62,7 @@ def available() -> bool:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("nanovllm_cpu::linear")
-    def _(x, weight, packed, bias, max_packed_rows):
+    def _(x, weight, packed, bias, max_packed_rows, onednn):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.register_fake("nanovllm_cpu::linear_packed")
@@ -122,6 +124,15 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the buffer alive
+
+
+def onednn_pack(weight: torch.Tensor, owner: object) -> torch.Tensor:
+    """oneDNN's reordered copy of a bf16 [N, K] weight, for the GEMM `linear` runs on many rows;
+    returns its handle, a one-element int64 tensor. The copy is released when `owner` is
+    garbage-collected."""
+    handle = torch.ops.nanovllm_cpu.onednn_pack(weight)
+    weakref.finalize(owner, torch.ops.nanovllm_cpu.onednn_release, handle)
+    return handle
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

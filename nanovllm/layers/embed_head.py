@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
-from nanovllm.layers.linear import apply_linear
+from nanovllm.layers.linear import apply_linear, register_cpu_packing_slots
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -53,9 +53,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup):
         super().__init__(vocab_size, hidden_size, tp_group=tp_group)
-        self.register_buffer("packed_weight", None, persistent=False)  # see pack_weights_for_cpu
+        register_cpu_packing_slots(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden_size] -> logits [n, vocab_size] on rank 0, None elsewhere."""
-        logits = self.tp_group.gather(apply_linear(hidden, self.weight, None, self.packed_weight), dim=-1)
+        logits = self.tp_group.gather(apply_linear(hidden, self, None), dim=-1)
         return None if logits is None else logits[:, :self.vocab_size]

@@ -11,8 +11,9 @@ Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, wh
 the full (unsharded) checkpoint tensor and copies this rank's part, converting dtype.
 
 On CPUs with AVX512-BF16, `pack_weights_for_cpu` gives each bf16 layer a second copy of its
-weight in the layout of the packed decode kernel (nanovllm/kernels/cpu.cpp); the layer then
-runs that kernel for a few rows and oneDNN for many.
+weight in the layout of the packed decode kernel (nanovllm/kernels/cpu.cpp) and a third in
+oneDNN's own blocked layout; the layer then runs that kernel for a few rows and oneDNN's GEMM
+for many.
 """
 
 import math
@@ -54,29 +55,38 @@ def _make_params(module: nn.Module, input_size: int, output_size: int, bias: boo
         module.bias.weight_loader = module.weight_loader
     else:
         module.register_parameter("bias", None)
-    module.register_buffer("packed_weight", None, persistent=False)  # see pack_weights_for_cpu
+    register_cpu_packing_slots(module)
 
 
-def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed_weight: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b; with a packed copy of W, the CPU kernel that picks its method by row count."""
-    if packed_weight is None:
-        return F.linear(x, weight, bias)
+def register_cpu_packing_slots(module: nn.Module) -> None:
+    """The buffers pack_weights_for_cpu fills: the packed kernel's copy of the weight and the
+    handle of oneDNN's."""
+    module.register_buffer("packed_weight", None, persistent=False)
+    module.register_buffer("onednn_weight", None, persistent=False)
+
+
+def apply_linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b; with packed copies of W, the CPU kernel that picks its method by row count."""
+    if module.packed_weight is None:
+        return F.linear(x, module.weight, bias)
     from nanovllm.kernels.cpu import PACKED_MAX_ROWS
-    return torch.ops.nanovllm_cpu.linear(x, weight, packed_weight, bias, PACKED_MAX_ROWS)
+    return torch.ops.nanovllm_cpu.linear(x, module.weight, module.packed_weight, bias, PACKED_MAX_ROWS,
+                                         module.onednn_weight)
 
 
 def pack_weights_for_cpu(model: nn.Module) -> None:
-    """Give every bf16 CPU layer with a `packed_weight` slot its weight in the packed layout.
+    """Give every bf16 CPU layer with packing slots its weight in the packed kernel's layout
+    and in oneDNN's.
 
     A no-op where the kernel cannot run (no AVX512-BF16, or the kernels failed to build). The
-    copies cost the weights' size again in RAM; they are what lets a decode step stream each
-    weight once at memory bandwidth instead of a third of it. They share one arena in huge pages.
+    copies cost twice the weights' size in RAM: the first is what lets a decode step stream each
+    weight once at memory bandwidth instead of a third of it (they share one arena in huge
+    pages), the second saves oneDNN reordering the weight on every prefill step.
     """
     from nanovllm.kernels import cpu
     if not cpu.has_packed_linear():
         return
-    modules = [m for m in model.modules() if "packed_weight" in m._buffers
+    modules = [m for m in model.modules() if "onednn_weight" in m._buffers
                and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
     if not modules:
         return
@@ -87,6 +97,8 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
         size = math.prod(shape)
         module.packed_weight = cpu.pack_linear_weight(module.weight, out=arena[offset:offset + size].view(shape))
         offset += size
+        if torch.backends.mkldnn.is_available():
+            module.onednn_weight = cpu.onednn_pack(module.weight, owner=module)
 
 
 class ReplicatedLinear(nn.Module):
@@ -100,7 +112,7 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight, self.bias, self.packed_weight)
+        return apply_linear(x, self, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -118,7 +130,7 @@ class ColumnParallelLinear(nn.Module):
         copy_chunk(param.data, loaded_weight, 0, self.tp_group.rank, self.tp_group.world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self.weight, self.bias, self.packed_weight)
+        return apply_linear(x, self, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -198,5 +210,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank holds the bias, but only rank 0 adds it: the all-reduce sums it once.
-        y = apply_linear(x, self.weight, self.bias if self.tp_group.is_first_rank else None, self.packed_weight)
+        y = apply_linear(x, self, self.bias if self.tp_group.is_first_rank else None)
         return self.tp_group.all_reduce(y)
