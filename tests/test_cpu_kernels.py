@@ -6,8 +6,9 @@ tables, decodes, whole prompts, chunks after a cached prefix, GQA groups, block 
 prefix through their own backend's store; every slot no step wrote holds NaN in the CPU
 backend's cache, so a kernel that read one would return NaN.
 
-Packed linear: against F.linear in fp32 on the same bf16 inputs, for row counts on both sides
-of the register-blocking limit, output sizes that are not multiples of 16 and an odd K.
+Packed linear: against F.linear in fp32 on the same bf16 inputs, for row counts in one pass,
+in passes split evenly and in several row blocks, output sizes that are not multiples of 16
+and an odd K.
 The linear op: F.linear's bf16 result on either side of its row crossover.
 """
 
@@ -124,7 +125,7 @@ def test_attention_matches_portable_backend(seqs, heads, block_size, dtype):
 
 @pytest.mark.skipif(not cpu_kernels.has_packed_linear(), reason="needs AVX512-BF16")
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("rows", [1, 3, 16, 19])
+@pytest.mark.parametrize("rows", [1, 3, 24, 25, 40, 300])
 @pytest.mark.parametrize("n, k", [(64, 64), (40, 33), (960, 576)])
 def test_packed_linear_matches_fp32(n, k, rows, bias):
     gen = torch.Generator().manual_seed(rows)

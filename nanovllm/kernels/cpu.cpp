@@ -54,33 +54,26 @@ inline __m512 dot_broadcast(__m512 acc, __m512bh w, const void* p) {
   return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_set1_epi32(pair));
 }
 
-// acc[m] += sum over k of x[m, k] * W[n, k] for one 16-column panel; M rows at once, so
-// each weight load feeds M dot products.
+// acc[m] += sum over k of x[m, k] * W[n, k] for one 16-column panel and M rows of x, given as
+// bf16 pairs: pair k2 of row m at xp[k2 * x_step + m]. Each weight load feeds M dot products,
+// and every row's pair sits at a fixed offset from one pointer, so the broadcasts need no
+// address registers of their own.
 template <int M>
-void panel_dot(const BFloat16* x, int64_t x_stride, const BFloat16* panel, int64_t K, __m512* acc) {
+void panel_dot(const uint32_t* xp, int64_t x_step, const BFloat16* panel, int64_t K2, __m512* acc) {
   for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-  const int64_t even_k = K & ~int64_t(1);
-  for (int64_t k = 0; k < even_k; k += 2) {
-    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + k * 16);
-#pragma GCC unroll 16
-    for (int m = 0; m < M; m++) acc[m] = dot_broadcast(acc[m], w, x + m * x_stride + k);
-  }
-  if (K & 1) {  // the packed weight pads K with a zero column; x must not be read past K
-    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + even_k * 16);
-    for (int m = 0; m < M; m++) {
-      uint16_t last;
-      std::memcpy(&last, x + m * x_stride + even_k, sizeof(last));
-      acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(last));
-    }
+  for (int64_t k2 = 0; k2 < K2; k2++, xp += x_step) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + k2 * 32);
+#pragma GCC unroll 32
+    for (int m = 0; m < M; m++) acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(int(xp[m])));
   }
 }
 
-// One 16-column panel times M rows of x, bias added, rounded to bf16 and stored.
+// One 16-column panel times M rows, bias added, rounded to bf16 and stored.
 template <int M>
-void panel_rows(const BFloat16* x, int64_t x_stride, const BFloat16* panel, int64_t K, const BFloat16* bias,
+void panel_rows(const uint32_t* xp, int64_t x_step, const BFloat16* panel, int64_t K2, const BFloat16* bias,
                 BFloat16* y, int64_t y_stride, int64_t cols) {
   __m512 acc[M];
-  panel_dot<M>(x, x_stride, panel, K, acc);
+  panel_dot<M>(xp, x_step, panel, K2, acc);
   const __mmask16 mask = (__mmask16)((1u << cols) - 1);
   __m512 b = _mm512_setzero_ps();
   if (bias != nullptr) {
@@ -91,30 +84,46 @@ void panel_rows(const BFloat16* x, int64_t x_stride, const BFloat16* panel, int6
     _mm256_mask_storeu_epi16(y + m * y_stride, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
 }
 
-using PanelRowsFn = void (*)(const BFloat16*, int64_t, const BFloat16*, int64_t, const BFloat16*, BFloat16*, int64_t,
+using PanelRowsFn = void (*)(const uint32_t*, int64_t, const BFloat16*, int64_t, const BFloat16*, BFloat16*, int64_t,
                              int64_t);
-constexpr int kMaxRows = 16;  // rows per panel pass: 16 accumulators + the weight in 32 registers
+// Rows per panel pass: 24 accumulators, the weight and a broadcast fit AVX-512's 32 registers.
+constexpr int kMaxRows = 24;
 template <int... Ms>
 constexpr auto make_panel_table(std::integer_sequence<int, Ms...>) {
   return std::array<PanelRowsFn, sizeof...(Ms)>{&panel_rows<Ms + 1>...};
 }
 constexpr auto kPanelRows = make_panel_table(std::make_integer_sequence<int, kMaxRows>{});
 
-// Threads split the panels (output columns); each panel, once loaded, serves a block of rows 16
-// at a time from L1, and a block of rows stays in L2 while every panel passes over it.
+// Threads split the panels (output columns); each panel, once loaded, serves a block of rows in
+// passes of at most kMaxRows (split evenly: 40 rows go 20 + 20, not 24 + 16) from L1, and a
+// block of rows stays in L2 while every panel passes over it. Rows are first interleaved by
+// pairs ([K/2][M] pairs; K odd is padded with a zero, as the packed weight is), except a single
+// row, which already is that layout.
 void linear_packed_impl(const BFloat16* x, int64_t x_stride, const BFloat16* packed, const BFloat16* bias,
                         BFloat16* y, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t kRowBlock = 256;
-  const int64_t padded_k = K + (K & 1), panels = (N + 15) / 16;
+  const int64_t K2 = (K + 1) / 2, panels = (N + 15) / 16;
+  std::vector<uint32_t> interleaved;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+  if (M > 1 || K % 2) {
+    interleaved.assign(K2 * M, 0);
+    for (int64_t m = 0; m < M; m++) {
+      const BFloat16* row = x + m * x_stride;
+      for (int64_t k2 = 0; k2 < K / 2; k2++) std::memcpy(&interleaved[k2 * M + m], row + 2 * k2, 4);
+      if (K % 2) std::memcpy(&interleaved[(K2 - 1) * M + m], row + K - 1, 2);
+    }
+    xp = interleaved.data();
+  }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-      const int64_t m_end = std::min(M, mb + kRowBlock);
+      const int64_t m_end = std::min(M, mb + kRowBlock), passes = (m_end - mb + kMaxRows - 1) / kMaxRows;
       for (int64_t p = begin; p < end; p++) {
         const int64_t cols = std::min<int64_t>(16, N - p * 16);
-        for (int64_t m0 = mb; m0 < m_end; m0 += kMaxRows) {
-          kPanelRows[std::min<int64_t>(kMaxRows, m_end - m0) - 1](
-              x + m0 * x_stride, x_stride, packed + p * padded_k * 16, K, bias ? bias + p * 16 : nullptr,
-              y + m0 * N + p * 16, N, cols);
+        for (int64_t i = 0, m0 = mb; i < passes; i++) {
+          const int64_t rows = (m_end - m0) / (passes - i);
+          kPanelRows[rows - 1](xp + m0, M, packed + p * K2 * 32, K2, bias ? bias + p * 16 : nullptr, y + m0 * N + p * 16,
+                               N, cols);
+          m0 += rows;
         }
       }
     }
