@@ -91,7 +91,7 @@ class NanoRunner:
         self.llm = LLM(**llm_kwargs)
         self.startup_s = time.perf_counter() - start
         runner = self.llm.llm_engine.model_runner
-        self.compile_s = getattr(runner, "compile_seconds", 0.0)
+        self.compile_s = runner.compile_seconds
         self.dtype = str(self.llm.llm_engine.config.torch_dtype).removeprefix("torch.")
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> None:
