@@ -28,7 +28,7 @@ from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
 
 W1_NUM_REQUESTS = 64
 W2_PROMPT_LEN = W2_OUTPUT_LEN = 128
-W2_REPEATS = 3
+W2_REPEATS = 5
 PLOT_CONCURRENCY = (1, 4, 16, 64)
 
 
