@@ -352,15 +352,16 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
   for (int64_t t0 = 0; t0 <= last; t0 += 16) {
     const BFloat16* keys = pg.block(k_cache, t0) + (t0 % bs) * 2;
     const BFloat16* values = pg.block(v_cache, t0) + (t0 % bs) * D;
-    if (t0 + 16 <= last) {  // blocks sit anywhere in memory: fetch the next tile while on this one
-      const char* next_keys = (const char*)(pg.block(k_cache, t0 + 16) + ((t0 + 16) % bs) * 2);
-      const char* next_values = (const char*)(pg.block(v_cache, t0 + 16) + ((t0 + 16) % bs) * D);
-      for (int dp = 0; dp < D / 2; dp++) _mm_prefetch(next_keys + dp * bs * 4, _MM_HINT_T0);
-      for (int line = 0; line < D / 2; line++) _mm_prefetch(next_values + line * 64, _MM_HINT_T0);
-    }
+    // Blocks sit anywhere in memory: fetch the next tile while on this one, a key line and a
+    // value line per key line read (a burst of requests at once would be mostly dropped).
+    const int64_t next = std::min(t0 + 16, last);
+    const char* next_keys = (const char*)(pg.block(k_cache, next) + (next % bs) * 2);
+    const char* next_values = (const char*)(pg.block(v_cache, next) + (next % bs) * D);
     __m512 s[NR];
     for (int r = 0; r < NR; r++) s[r] = _mm512_setzero_ps();
     for (int dp = 0; dp < D / 2; dp++) {
+      _mm_prefetch(next_keys + dp * bs * 4, _MM_HINT_T0);
+      _mm_prefetch(next_values + dp * 64, _MM_HINT_T0);
       const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + dp * bs * 2);
       for (int r = 0; r < NR; r++) s[r] = dot_broadcast(s[r], k, rows[r].q + 2 * dp);
     }
