@@ -79,12 +79,12 @@ def _register_fakes() -> None:
 
 
 # Rows up to which the packed kernel beats oneDNN (on its own packed weights). Measured on
-# AVX512-BF16 without AMX (2 threads, SmolLM2's shapes, a whole model's linears): the packed
-# kernel streams weights at memory speed for a few rows and stays ahead of oneDNN's GEMM to
-# about 56 rows (8 rows: 6.1 ms against 8.6; 40: 27.6 against 27.9; 64: 43.1 against 41.3).
-# With AMX tiles oneDNN's GEMM is several times faster than any AVX-512 kernel once there are
-# rows enough to fill them.
-PACKED_MAX_ROWS = 16 if "amx_bf16" in _cpu_flags() else 56
+# AVX512-BF16 without AMX (2 threads, SmolLM2's shapes, a whole model's linears on weights cold
+# in cache, as in a step): the packed kernel streams weights at memory speed for a few rows and
+# stays ahead of oneDNN's GEMM to about 100 rows (24 rows: 17.9 ms against 23.5; 64: 43.9
+# against 49.3; 96: 64.8 against 68.7; 128: 88.7 against 86.7). With AMX tiles oneDNN's GEMM
+# is several times faster than any AVX-512 kernel once there are rows enough to fill them.
+PACKED_MAX_ROWS = 16 if "amx_bf16" in _cpu_flags() else 96
 
 
 @functools.cache
