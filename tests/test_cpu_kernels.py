@@ -173,3 +173,27 @@ def test_linear_op_equals_torch_on_both_kernels(rows):
     if rows > 64:
         with pytest.raises(RuntimeError, match="was released"):
             torch.ops.nanovllm_cpu.linear(x, w, cpu_kernels.pack_linear_weight(w), b, 64, handle)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_packed_linear(), reason="needs AVX512-BF16")
+def test_sample_rows_draws_by_inverse_transform():
+    """Each row's token is where its uniform falls in the cumulative probabilities of
+    softmax(logits / T) (to rounding), banned (-inf) tokens are never drawn, and a uniform next
+    to 1 draws the last token that may be drawn."""
+    gen = torch.Generator().manual_seed(0)
+    n, vocab = 200, 1007  # not a multiple of the kernel's 16 lanes
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    logits[:, ::3] = float("-inf")
+    logits[:, -1] = float("-inf")
+    temperatures = torch.rand(n, generator=gen) + 0.2
+    uniform = torch.rand(n, generator=gen)
+    logits[-1] = torch.where(torch.isfinite(logits[-1]), 0.0, float("-inf"))  # equal odds
+    uniform[-1] = 1 - 2 ** -24
+    tokens = torch.ops.nanovllm_cpu.sample_rows(logits, temperatures, uniform)
+    cdf = torch.softmax(logits.double() / temperatures.double().unsqueeze(1), dim=-1).cumsum(dim=-1)
+    target = uniform.double()
+    before = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0)
+    at = cdf.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert (before <= target + 1e-5).all() and (at >= target - 1e-5).all()
+    assert torch.isfinite(logits.gather(1, tokens.unsqueeze(1))).all()
+    assert tokens[-1] == torch.isfinite(logits[-1]).nonzero().max()

@@ -7,7 +7,9 @@ rows take the argmax; the others are scaled by temperature, filtered by min-p, t
 top-p, and drawn by inverse transform sampling: one uniform number per row, looked up in the
 row's cumulative probabilities. (The Gumbel-max trick needs a random number per vocabulary
 entry: 38 ms a step for 40 rows of SmolLM2's 49k vocabulary on two CPU cores, against 1 ms.)
-Seeded rows draw from their own generator, so their tokens do not depend on the batch.
+On CPU, rows with no top-k, top-p or min-p filter are drawn by a compiled kernel that does
+the same without [rows, vocab] temporaries. Seeded rows draw from their own generator, so their
+tokens do not depend on the batch.
 """
 
 from dataclasses import dataclass, field
@@ -140,7 +142,18 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _draw(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
-        logits = logits / batch.temperatures.clamp(min=1e-5).unsqueeze(1)
+        uniform = torch.empty(len(logits), device=logits.device)
+        shared = [row for row, g in enumerate(batch.generators) if g is None]
+        if shared:
+            uniform[shared] = torch.rand(len(shared), generator=generator, device=logits.device)
+        for row, g in enumerate(batch.generators):
+            if g is not None:
+                uniform[row] = torch.rand(1, generator=g).to(logits.device)
+        temperatures = batch.temperatures.clamp(min=1e-5)
+        if batch.min_p is None and batch.top_k is None and batch.top_p is None and _has_cpu_sampler(logits):
+            # The same draw without [rows, vocab] temporaries, in a third of the time.
+            return torch.ops.nanovllm_cpu.sample_rows(logits, temperatures, uniform)
+        logits = logits / temperatures.unsqueeze(1)
         if batch.min_p is not None:
             probs = torch.softmax(logits, dim=-1)
             threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
@@ -148,18 +161,18 @@ class Sampler(nn.Module):
         if batch.top_k is not None or batch.top_p is not None:
             logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
         cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
-        uniform = torch.empty(len(cdf), 1, device=cdf.device)
-        shared = [row for row, g in enumerate(batch.generators) if g is None]
-        if shared:
-            uniform[shared] = torch.rand(len(shared), 1, generator=generator, device=cdf.device)
-        for row, g in enumerate(batch.generators):
-            if g is not None:
-                uniform[row] = torch.rand(1, generator=g).to(cdf.device)
         total = cdf[:, -1:]
         # The first token whose cumulative probability exceeds u * total; u < 1, but the product
         # may round up to the total, past the last token with any probability.
-        target = torch.minimum(uniform * total, total.nextafter(torch.zeros_like(total)))
+        target = torch.minimum(uniform.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _has_cpu_sampler(logits: torch.Tensor) -> bool:
+    if logits.device.type != "cpu":
+        return False
+    from nanovllm.kernels import cpu
+    return cpu.has_packed_linear()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
