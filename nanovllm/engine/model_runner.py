@@ -18,7 +18,7 @@ from nanovllm.attention.selector import make_attention_backend
 from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
-from nanovllm.engine.gpu_memory import profile_kv_cache_bytes
+from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.linear import pack_weights_for_cpu
@@ -164,14 +164,11 @@ class ModelRunner:
         start = time.perf_counter()
         for layer in self.model.model.layers:
             compile_with_dynamic_tokens(layer)
-        # Writes garbage K/V into slot 0, harmless: a block's slots are always written by the
-        # sequence that owns them before anything reads them.
-        one = torch.ones(1, dtype=torch.int32)
-        layout = BatchLayout(query_lens=[1], context_lens=one, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
-                             slot_mapping=torch.zeros(1, dtype=torch.long), block_tables=torch.zeros_like(one)[None],
-                             max_query_len=1, max_context_len=1)
+        # One token, written into slot 0 of block 0: garbage there is harmless, since a block's
+        # slots are always written by the sequence that owns them before anything reads them.
+        input_ids, positions, layout = warmup_batch(1, self.config.max_model_len, 1, self.block_size, self.device)
         with torch.inference_mode(), forward_context(self.backend, self.backend.prepare(layout)):
-            self.model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+            self.model(input_ids, positions)
         self.compile_seconds = time.perf_counter() - start
         logger.info("compiled the decoder layers for CPU in %.1f s", self.compile_seconds)
 

@@ -187,28 +187,31 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "-"
 
 
+def _print_table(columns: list[tuple[str, int]], rows: dict[str, list[str]]) -> None:
+    """An engine column, then right-aligned `columns` (name, width); one line per row."""
+    print(f"  {'engine':<14}" + "".join(f"{name:>{width}}" for name, width in columns))
+    for label, cells in rows.items():
+        print(f"  {label:<14}" + "".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns)))
+
+
 def print_throughput(results: dict[str, Throughput], workload: Workload) -> None:
     print(f"\nW1 throughput: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt + "
           f"{workload.output_tokens} output tokens, temperature {workload.temperature}")
-    print(f"  {'engine':<14}{'time s':>9}{'output tok/s':>15}{'total tok/s':>14}")
-    for name, r in results.items():
-        print(f"  {name:<14}{r.seconds:>9.2f}{r.output_tok_s:>15.1f}{r.total_tok_s:>14.1f}")
+    rows = {name: [f"{r.seconds:.2f}", f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}"] for name, r in results.items()}
     if len(results) == 2:
         nano, other = results.values()
-        print(f"  {'ratio':<14}{'':>9}{_ratio(nano.output_tok_s, other.output_tok_s):>15}"
-              f"{_ratio(nano.total_tok_s, other.total_tok_s):>14}")
+        rows["ratio"] = ["", _ratio(nano.output_tok_s, other.output_tok_s), _ratio(nano.total_tok_s, other.total_tok_s)]
+    _print_table([("time s", 9), ("output tok/s", 15), ("total tok/s", 14)], rows)
 
 
 def print_latency(results: dict[str, Latency]) -> None:
     print(f"\nW2 latency: 1 request, {W2_PROMPT_LEN} prompt tokens, {W2_OUTPUT_LEN} greedy output tokens "
           f"(median of {W2_REPEATS})")
-    print(f"  {'engine':<14}{'TTFT s':>9}{'decode tok/s':>15}")
-    for name, r in results.items():
-        print(f"  {name:<14}{r.ttft_s:>9.3f}{r.decode_tok_s:>15.1f}")
+    rows = {name: [f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.1f}"] for name, r in results.items()}
     if len(results) == 2:
         nano, other = results.values()
-        print(f"  {'ratio':<14}{_ratio(other.ttft_s, nano.ttft_s):>9}"
-              f"{_ratio(nano.decode_tok_s, other.decode_tok_s):>15}")
+        rows["ratio"] = [_ratio(other.ttft_s, nano.ttft_s), _ratio(nano.decode_tok_s, other.decode_tok_s)]
+    _print_table([("TTFT s", 9), ("decode tok/s", 15)], rows)
 
 
 def plot_concurrency(runners: list, workload: Workload, path: str) -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
+from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.loader.weights import default_weight_loader
 
 
@@ -69,8 +70,7 @@ def apply_linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) 
     """x W^T + b; with packed copies of W, the CPU kernel that picks its method by row count."""
     if module.packed_weight is None:
         return F.linear(x, module.weight, bias)
-    from nanovllm.kernels.cpu import PACKED_MAX_ROWS
-    return torch.ops.nanovllm_cpu.linear(x, module.weight, module.packed_weight, bias, PACKED_MAX_ROWS,
+    return torch.ops.nanovllm_cpu.linear(x, module.weight, module.packed_weight, bias, cpu_kernels.PACKED_MAX_ROWS,
                                          module.onednn_weight)
 
 
@@ -83,22 +83,23 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
     weight once at memory bandwidth instead of a third of it (they share one arena in huge
     pages), the second saves oneDNN reordering the weight on every prefill step.
     """
-    from nanovllm.kernels import cpu
-    if not cpu.has_packed_linear():
+    if not cpu_kernels.has_packed_linear():
         return
     modules = [m for m in model.modules() if "onednn_weight" in m._buffers
                and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
     if not modules:
         return
-    shapes = [cpu.packed_shape(m.weight) for m in modules]
-    arena = cpu.empty_in_huge_pages((sum(math.prod(s) for s in shapes),), torch.bfloat16)
+    shapes = [cpu_kernels.packed_shape(m.weight) for m in modules]
+    arena = cpu_kernels.empty_in_huge_pages((sum(math.prod(s) for s in shapes),), torch.bfloat16)
+    with_onednn = torch.backends.mkldnn.is_available()
     offset = 0
     for module, shape in zip(modules, shapes):
         size = math.prod(shape)
-        module.packed_weight = cpu.pack_linear_weight(module.weight, out=arena[offset:offset + size].view(shape))
+        module.packed_weight = cpu_kernels.pack_linear_weight(module.weight,
+                                                              out=arena[offset:offset + size].view(shape))
         offset += size
-        if torch.backends.mkldnn.is_available():
-            module.onednn_weight = cpu.onednn_pack(module.weight, owner=module)
+        if with_onednn:
+            module.onednn_weight = cpu_kernels.onednn_pack(module.weight, owner=module)
 
 
 class ReplicatedLinear(nn.Module):

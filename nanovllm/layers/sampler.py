@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import cpu as cpu_kernels
 
 
 @dataclass
@@ -169,10 +170,7 @@ class Sampler(nn.Module):
 
 
 def _has_cpu_sampler(logits: torch.Tensor) -> bool:
-    if logits.device.type != "cpu":
-        return False
-    from nanovllm.kernels import cpu
-    return cpu.has_packed_linear()
+    return logits.device.type == "cpu" and cpu_kernels.has_packed_linear()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
