@@ -338,6 +338,7 @@ template <int chunks, int NR>
 void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const BFloat16* v_cache, const Paged& pg,
                       float scale) {
   constexpr int D = 16 * chunks;
+  constexpr int P = NR * (chunks + 4) <= 28 ? 4 : 2;  // divides D / 2 = 8 * chunks
   const int64_t bs = pg.bs;
   __m512 acc[NR][chunks];
   float running_max[NR], running_sum[NR];
@@ -357,13 +358,23 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
     const int64_t next = std::min(t0 + 16, last);
     const char* next_keys = (const char*)(pg.block(k_cache, next) + (next % bs) * 2);
     const char* next_values = (const char*)(pg.block(v_cache, next) + (next % bs) * D);
-    __m512 s[NR];
-    for (int r = 0; r < NR; r++) s[r] = _mm512_setzero_ps();
-    for (int dp = 0; dp < D / 2; dp++) {
-      _mm_prefetch(next_keys + dp * bs * 4, _MM_HINT_T0);
-      _mm_prefetch(next_values + dp * 64, _MM_HINT_T0);
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + dp * bs * 2);
-      for (int r = 0; r < NR; r++) s[r] = dot_broadcast(s[r], k, rows[r].q + 2 * dp);
+    // P partial sums per row: a dot product's latency is several cycles, and one chain per row
+    // over D / 2 steps would leave the multiply units idle.
+    __m512 part[NR][P], s[NR];
+    for (int r = 0; r < NR; r++)
+      for (int p = 0; p < P; p++) part[r][p] = _mm512_setzero_ps();
+    for (int dp0 = 0; dp0 < D / 2; dp0 += P) {
+      for (int p = 0; p < P; p++) {
+        const int dp = dp0 + p;
+        _mm_prefetch(next_keys + dp * bs * 4, _MM_HINT_T0);
+        _mm_prefetch(next_values + dp * 64, _MM_HINT_T0);
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + dp * bs * 2);
+        for (int r = 0; r < NR; r++) part[r][p] = dot_broadcast(part[r][p], k, rows[r].q + 2 * dp);
+      }
+    }
+    for (int r = 0; r < NR; r++) {
+      s[r] = part[r][0];
+      for (int p = 1; p < P; p++) s[r] = _mm512_add_ps(s[r], part[r][p]);
     }
     alignas(64) uint16_t probs[NR][16];
     for (int r = 0; r < NR; r++) {
@@ -374,12 +385,15 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
       }
       const __mmask16 mask = (__mmask16)((1u << visible) - 1);
       const __m512 scores = _mm512_mask_blend_ps(mask, minus_inf, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
-      const float new_max = std::max(running_max[r], _mm512_reduce_max_ps(scores));
-      const float correction = std::exp(running_max[r] - new_max);
-      const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-      running_sum[r] = running_sum[r] * correction + _mm512_reduce_add_ps(p);
-      running_max[r] = new_max;
-      for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));
+      const float tile_max = _mm512_reduce_max_ps(scores);
+      if (tile_max > running_max[r]) {  // rescale what came before; past the first tiles, rarely
+        const float correction = std::exp(running_max[r] - tile_max);
+        running_sum[r] *= correction;
+        for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));
+        running_max[r] = tile_max;
+      }
+      const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(running_max[r]))));
+      running_sum[r] += _mm512_reduce_add_ps(p);
       _mm256_store_si256((__m256i*)probs[r], (__m256i)_mm512_cvtneps_pbh(p));
     }
     // Token pairs up to the last visible key of any row; a pair whose second token lies past
