@@ -86,7 +86,6 @@ class BlockManager:
         taken_from_pool = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks + taken_from_pool > self.num_free_blocks:
             return False
-        parent = None
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -95,7 +94,6 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-            parent = block.hash
         seq.num_computed_tokens += len(cached_blocks) * self.block_size
         for _ in range(num_new_blocks):
             block_id, _ = self.free_blocks.popitem(last=False)
