@@ -9,7 +9,6 @@ Rank 0 may as well run `python script.py`; the second form suits torchrun, which
 command on every rank.
 """
 
-import gc
 import os
 import runpy
 import sys
@@ -27,12 +26,7 @@ def main(argv: list[str]) -> None:
             sys.exit("rank 0 runs your script, which creates the LLM: python -m nanovllm.distributed script.py [args]")
         sys.argv = argv
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` would
-        namespace = runpy.run_path(argv[0], run_name="__main__")
-        # Tear the script's engine down now rather than during interpreter finalization, where
-        # shutting it down aborted rank 0 about one exit in eight ("terminate called without an
-        # active exception").
-        namespace.clear()
-        gc.collect()
+        runpy.run_path(argv[0], run_name="__main__")
         return
     serve(open_store(env.master_addr, env.master_port, env.world_size, is_master=False),
           env.rank, env.world_size, env.local_rank)
