@@ -163,7 +163,8 @@ print(json.dumps([o.outputs[0].token_ids for o in outs]))
 """
 
 
-def test_ranks_started_torchrun_style_as_separate_processes(tmp_path):
+@pytest.mark.parametrize("launcher", [["-m", "nanovllm.distributed"], []], ids=["launcher", "plain-script"])
+def test_ranks_started_torchrun_style_as_separate_processes(launcher, tmp_path):
     path = str(make_tiny_checkpoint(tmp_path / "ckpt", "Qwen3ForCausalLM"))
     prompts = [p[:50] for p in workload_prompts(seed=1)[:4]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -173,10 +174,10 @@ def test_ranks_started_torchrun_style_as_separate_processes(tmp_path):
     script.write_text(RANK0_SCRIPT)
     env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     # The worker starts first and waits for rank 0's store; rank 0 runs the script through
-    # the same entry point, as torchrun would launch it.
+    # the same entry point, as torchrun would launch it, or as a plain `python script.py`.
     worker = subprocess.Popen([sys.executable, "-m", "nanovllm.distributed"], env={**env, "RANK": "1"},
                               stderr=subprocess.PIPE, text=True)
-    rank0 = subprocess.Popen([sys.executable, "-m", "nanovllm.distributed", str(script), path,
+    rank0 = subprocess.Popen([sys.executable, *launcher, str(script), path,
                               json.dumps(prompts)], env={**env, "RANK": "0"},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
