@@ -101,3 +101,16 @@ def test_compiled_layers_round_like_eager(engines):
                 ulp = 2.0 ** (torch.frexp(e.float().abs().max()).exponent.item() - 8)
                 assert (e.float() - c.float()).abs().max().item() <= ulp
             hidden, residual = eager
+
+
+def test_first_steps_compile_nothing():
+    """Start-up's warm-up compiles the graph that steps run, so a new engine's first prefill and
+    decodes compile nothing (steps skip Dynamo's guards, where a step needing a new graph
+    would raise)."""
+    from torch._dynamo.utils import counters
+    llm = LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory_gb=0.1)
+    graphs = counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([list(range(100, 160)), [7, 8, 9]], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert counters["stats"]["unique_graphs"] == graphs
