@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanovllm.distributed.parallel_state import hold_until_next_collective
 from nanovllm.engine.scheduler import ScheduledBatch
 
 
@@ -94,21 +95,12 @@ class StepReceiver:
         return dataclasses.replace(message.batch, seqs=[seqs[u.seq_id] for u in message.updates])
 
 
-# The tensors of the last message rank 0 sent. Gloo's worker thread lets go of a finished
-# broadcast's tensors a moment after wait() returns; had it the last reference, it would free
-# them itself, which takes the GIL, and during interpreter exit (the stop message goes out from
-# an atexit hook) taking the GIL ends the thread inside a destructor: the process aborted
-# ("terminate called without an active exception") about one exit in eight. Held here until
-# the next message, they are freed by this thread.
-_last_sent: list[torch.Tensor] = []
-
-
 def broadcast(obj: Any) -> None:
     """Send `obj` from rank 0 to every other rank over the CPU group: its pickle's length, then
     the pickle."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    _last_sent[:] = [size, payload]
+    hold_until_next_collective(size, payload)  # see there: rank 0 may exit right after
     dist.broadcast(size, src=0)
     dist.broadcast(payload, src=0)
 
