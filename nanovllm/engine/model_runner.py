@@ -249,7 +249,9 @@ class ModelRunner:
         tensors, an unbacked token count) through every layer, and steps pass the same dtypes,
         devices and static shapes. Engines of other shapes in the process compile their own
         graphs at their own warm-up (guards on), which the remaining guards tell apart; a step
-        that matched no graph would raise, not recompile."""
+        that matched no graph would raise, not recompile. The stance is Dynamo's process-wide
+        setting: compiled code of the user's running in another thread during a step skips its
+        guards too."""
         if self.compile_seconds:
             return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()
