@@ -89,7 +89,7 @@ class Workers:
         self.closed = True
         if self.idle:
             try:
-                broadcast(None)  # "stop": workers leave their loop and exit
+                broadcast(None, settle=True)  # "stop": workers leave their loop and exit
             except RuntimeError:
                 pass  # a worker is dead; the others are terminated below
         # Between steps workers exit on their own; mid-step (an error, Ctrl-C) they may be

@@ -26,20 +26,6 @@ IDLE_TIMEOUT = timedelta(days=365)
 STEP_TIMEOUT = timedelta(minutes=5)
 
 
-# The tensors of this process's latest collective. Gloo's worker thread lets go of a finished
-# collective's tensors a moment after wait() returns; had it the last reference, it would free
-# them itself, which takes the GIL, and during interpreter exit taking the GIL ends the thread
-# inside a destructor: the process aborts ("terminate called without an active exception").
-# A collective right before exit (rank 0's stop message, sent from an atexit hook; a script's
-# last forward) did so about one exit in eight. Held here until the next collective, they are
-# freed by a Python thread.
-_latest_collective: list[torch.Tensor] = []
-
-
-def hold_until_next_collective(*tensors: torch.Tensor | None) -> None:
-    _latest_collective[:] = [t for t in tensors if t is not None]
-
-
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
@@ -54,7 +40,6 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group (in place when the group is real)."""
         if self.world_size > 1 and self.process_group is not None:
-            hold_until_next_collective(x)
             dist.all_reduce(x, group=self.process_group)
         return x
 
@@ -63,7 +48,6 @@ class TPGroup:
         if self.world_size == 1 or self.process_group is None:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        hold_until_next_collective(x, *(parts or []))
         dist.gather(x, parts, dst=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
@@ -72,7 +56,6 @@ class TPGroup:
         if self.world_size == 1 or self.cpu_group is None:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        hold_until_next_collective(t)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 

@@ -13,13 +13,13 @@ Messages are pickled and broadcast over the CPU group, length first: no size cap
 
 import dataclasses
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nanovllm.distributed.parallel_state import hold_until_next_collective
 from nanovllm.engine.scheduler import ScheduledBatch
 
 
@@ -95,14 +95,31 @@ class StepReceiver:
         return dataclasses.replace(message.batch, seqs=[seqs[u.seq_id] for u in message.updates])
 
 
-def broadcast(obj: Any) -> None:
+def broadcast(obj: Any, settle: bool = False) -> None:
     """Send `obj` from rank 0 to every other rank over the CPU group: its pickle's length, then
-    the pickle."""
+    the pickle. With `settle`, return only once gloo has let go of the message (see below)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    hold_until_next_collective(size, payload)  # see there: rank 0 may exit right after
     dist.broadcast(size, src=0)
     dist.broadcast(payload, src=0)
+    if settle:
+        _wait_until_released(size, payload)
+
+
+def _wait_until_released(*tensors: torch.Tensor, timeout: float = 1.0) -> None:
+    """Wait, without the GIL, until gloo's worker thread has dropped its references to `tensors`.
+
+    It drops them a moment after wait() returns, and dropping a reference to a tensor that has a
+    Python object takes the GIL. If the interpreter has begun finalizing by then, the thread
+    ends inside that destructor and the process aborts ("terminate called without an active
+    exception", seen in gdb). Rank 0's last message, the stop, goes out from an atexit hook
+    right before finalization, so it waits for this; no other message needs to.
+    """
+    if not all(hasattr(t, "_use_count") for t in tensors):  # torch's reference count, a private API
+        return
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def receive() -> Any:
