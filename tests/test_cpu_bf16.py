@@ -106,8 +106,10 @@ def test_compiled_layers_round_like_eager(engines):
 def test_first_steps_compile_nothing():
     """Start-up's warm-up compiles the graph that steps run, so a new engine's first prefill and
     decodes compile nothing (steps skip Dynamo's guards, where a step needing a new graph
-    would raise)."""
+    would raise). Dynamo's caches are emptied first: the layers called by hand above, outside
+    any step, would otherwise have compiled a step's graph already."""
     from torch._dynamo.utils import counters
+    torch._dynamo.reset()
     llm = LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory_gb=0.1)
     graphs = counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

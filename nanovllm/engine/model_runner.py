@@ -105,7 +105,8 @@ class ModelRunner:
                                                self.block_size, self.device)
             self.cuda_graphs.capture()
         self.compile_seconds = 0.0
-        if compile_on_cpu(config, self.device, tp_group):
+        self.compiled = compile_on_cpu(config, self.device, tp_group)
+        if self.compiled:
             self._compile()
         self.sampler = Sampler()
         self.eos_token_ids: set[int] = set()  # set by the engine; min_tokens holds these back
@@ -252,7 +253,7 @@ class ModelRunner:
         that matched no graph would raise, not recompile. The stance is Dynamo's process-wide
         setting: compiled code of the user's running in another thread during a step skips its
         guards too."""
-        if self.compile_seconds:
+        if self.compiled:
             return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()
 
