@@ -81,11 +81,11 @@ def paged_step(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=
 
 
 def token_major(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU backend's caches ([blocks, KVH, bs * D], see cpu.cpp) as [blocks * bs, KVH, D]."""
-    blocks, kvh, width = k_cache.shape
+    """The CPU backend's caches ([KVH, blocks, bs * D], see cpu.cpp) as [blocks * bs, KVH, D]."""
+    kvh, blocks, width = k_cache.shape
     bs = width // head_dim
-    k = k_cache.view(blocks, kvh, head_dim // 2, bs, 2).permute(0, 3, 1, 2, 4)
-    v = v_cache.view(blocks, kvh, bs // 2, head_dim, 2).permute(0, 2, 4, 1, 3)
+    k = k_cache.view(kvh, blocks, head_dim // 2, bs, 2).permute(1, 3, 0, 2, 4)
+    v = v_cache.view(kvh, blocks, bs // 2, head_dim, 2).permute(1, 2, 4, 0, 3)
     return k.reshape(-1, kvh, head_dim), v.reshape(-1, kvh, head_dim)
 
 

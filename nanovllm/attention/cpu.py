@@ -32,7 +32,8 @@ class CPUBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_kv_heads, self.block_size * self.head_dim)
+        # Head-major: one head's blocks back to back, so consecutive block ids read as one stream.
+        return (self.num_kv_heads, num_blocks, self.block_size * self.head_dim)
 
     def prepare(self, layout: BatchLayout) -> BatchLayout:
         return layout
