@@ -10,6 +10,7 @@ Packed linear: against F.linear in fp32 on the same bf16 inputs, for row counts 
 in passes split evenly and in several row blocks, output sizes that are not multiples of 16
 and an odd K.
 The linear op: F.linear's bf16 result on either side of its row crossover.
+The elementwise ops (gated SiLU, RMSNorm): eager bf16 PyTorch, to the last bit of an exp or a sum.
 """
 
 import gc
@@ -123,7 +124,7 @@ def test_attention_matches_portable_backend(seqs, heads, block_size, dtype):
         torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(not cpu_kernels.has_packed_linear(), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not cpu_kernels.has_bf16_kernels(), reason="needs AVX512-BF16")
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("rows", [1, 3, 24, 25, 40, 300])
 @pytest.mark.parametrize("n, k", [(64, 64), (40, 33), (960, 576)])
@@ -139,7 +140,7 @@ def test_packed_linear_matches_fp32(n, k, rows, bias):
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-3 * k ** 0.5)
 
 
-@pytest.mark.skipif(not cpu_kernels.has_packed_linear(), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not cpu_kernels.has_bf16_kernels(), reason="needs AVX512-BF16")
 def test_packed_linear_reads_rows_with_a_stride():
     """x may be a column slice of a wider tensor (rows apart by more than K)."""
     gen = torch.Generator().manual_seed(0)
@@ -150,7 +151,7 @@ def test_packed_linear_reads_rows_with_a_stride():
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), rtol=2 ** -8, atol=1e-2)
 
 
-@pytest.mark.skipif(not cpu_kernels.has_packed_linear() or not torch.backends.mkldnn.is_available(),
+@pytest.mark.skipif(not cpu_kernels.has_bf16_kernels() or not torch.backends.mkldnn.is_available(),
                     reason="needs AVX512-BF16 and oneDNN")
 @pytest.mark.parametrize("rows", [1, 64, 65, 300])
 def test_linear_op_equals_torch_on_both_kernels(rows):
@@ -175,7 +176,7 @@ def test_linear_op_equals_torch_on_both_kernels(rows):
             torch.ops.nanovllm_cpu.linear(x, w, cpu_kernels.pack_linear_weight(w), b, 64, handle)
 
 
-@pytest.mark.skipif(not cpu_kernels.has_packed_linear(), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not cpu_kernels.has_bf16_kernels(), reason="needs AVX512-BF16")
 def test_sample_rows_draws_by_inverse_transform():
     """Each row's token is where its uniform falls in the cumulative probabilities of
     softmax(logits / T) (to rounding), banned (-inf) tokens are never drawn, and a uniform next
@@ -197,3 +198,54 @@ def test_sample_rows_draws_by_inverse_transform():
     assert (before <= target + 1e-5).all() and (at >= target - 1e-5).all()
     assert torch.isfinite(logits.gather(1, tokens.unsqueeze(1))).all()
     assert tokens[-1] == torch.isfinite(logits[-1]).nonzero().max()
+
+
+def one_ulp_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether bf16 values are equal or neighbours (same sign and binade, or across one)."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return ((ai - bi).abs() <= 1) | ((a == 0) & (b == 0))
+
+
+def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor):
+    """The kernels round where eager bf16 PyTorch does, so only the last bit of an exp or of a
+    sum's order can differ: each value equal or one bf16 step away, nearly all equal."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype == torch.bfloat16
+    assert one_ulp_apart(out, ref).all()
+    assert (out == ref).float().mean() > 0.99
+
+
+@pytest.mark.skipif(not cpu_kernels.has_bf16_kernels(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("shape", [(1, 3072), (37, 3072), (2, 5, 70), (300, 46)], ids=str)
+def test_silu_and_mul_matches_eager(shape):
+    """Widths with and without a tail past the 16 lanes, leading dims, gates far into both
+    tails of the sigmoid, and an input that is a column slice of a wider tensor."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 4).bfloat16()
+    x.view(-1)[:8] = torch.tensor([-100.0, -88.5, -20.0, 0.0, 20.0, 88.5, 100.0, -0.0]).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    assert_matches_eager(torch.ops.nanovllm_cpu.silu_and_mul(x), F.silu(gate) * up)
+    wide = torch.cat([x, x], dim=-1)[..., 3:3 + x.shape[-1]]
+    gate, up = wide.chunk(2, dim=-1)
+    assert_matches_eager(torch.ops.nanovllm_cpu.silu_and_mul(wide), F.silu(gate) * up)
+
+
+@pytest.mark.skipif(not cpu_kernels.has_bf16_kernels(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (3, 4, 128), (300, 40)], ids=str)
+def test_rms_norm_matches_the_layer_in_eager(shape):
+    """The kernels against RMSNorm's own PyTorch path, with and without the residual add;
+    the sum handed back as the next residual is exact."""
+    from nanovllm.layers.layernorm import RMSNorm
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    norm.weight.copy_(torch.rand(shape[-1], generator=gen) + 0.5)
+    norm = norm.bfloat16()
+    x = (torch.randn(shape, generator=gen) * 3).bfloat16()
+    residual = torch.randn(shape, generator=gen).bfloat16()
+    ref, ref_sum = norm(x, residual)
+    ref_plain = norm(x)
+    norm.use_cpu_kernel = True
+    out, summed = norm(x, residual)
+    assert torch.equal(summed, ref_sum)
+    assert_matches_eager(out, ref)
+    assert_matches_eager(norm(x), ref_plain)
+    assert_matches_eager(norm(x.transpose(0, -1).contiguous().transpose(0, -1)), ref_plain)  # strided rows

@@ -22,6 +22,7 @@ from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.kernels.cpu import use_elementwise_kernels
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.linear import pack_weights_for_cpu
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingBatch, top_logprobs
@@ -131,6 +132,7 @@ class ModelRunner:
         load_weights(model, weights)
         if self.device.type == "cpu":
             pack_weights_for_cpu(model)
+            use_elementwise_kernels(model, config.torch_dtype)
         return model.eval()
 
     @property

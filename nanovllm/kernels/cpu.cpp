@@ -49,7 +49,7 @@ namespace {
 using at::BFloat16;
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool kHasPackedLinear = true;
+constexpr bool kHasBf16Kernels = true;
 
 // acc += w . (the bf16 pair at p, broadcast to all 16 lanes).
 inline __m512 dot_broadcast(__m512 acc, __m512bh w, const void* p) {
@@ -142,12 +142,12 @@ void linear_packed_impl(const BFloat16* x, int64_t x_stride, const BFloat16* pac
   });
 }
 #else
-constexpr bool kHasPackedLinear = false;
+constexpr bool kHasBf16Kernels = false;
 #endif
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                          int64_t out_features) {
-  TORCH_CHECK(kHasPackedLinear, "linear_packed needs a build with AVX512-BF16");
+  TORCH_CHECK(kHasBf16Kernels, "linear_packed needs a build with AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16 rows");
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
               "packed weight must be [N/16, K/2, 16, 2]");
@@ -213,7 +213,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& handle, const st
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                   const std::optional<at::Tensor>& bias, int64_t max_packed_rows,
                   const std::optional<at::Tensor>& onednn) {
-  if (kHasPackedLinear && packed.has_value() && x.dim() == 2 && x.size(0) <= max_packed_rows && x.stride(1) == 1 &&
+  if (kHasBf16Kernels && packed.has_value() && x.dim() == 2 && x.size(0) <= max_packed_rows && x.stride(1) == 1 &&
       x.scalar_type() == at::kBFloat16)
     return linear_packed(x, *packed, bias, weight.size(0));
   if (onednn.has_value()) return onednn_linear(x, *onednn, bias);
@@ -327,9 +327,11 @@ void attend_rows_generic(const Row<T>* rows, int n, const T* k_cache, const T* v
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-// exp for softmax arguments (x <= 0), relative error ~2e-7: 2^n * p(r), r in [-ln2/2, ln2/2].
+// exp, relative error ~2e-7: 2^n * p(r), r in [-ln2/2, ln2/2]. Arguments are clamped to
+// [-87, 89]: below, a tiny normal float instead of one smaller still; from 89 (past ~88.72)
+// up, +inf, as exp's own overflow.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(89.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180560f), x);
@@ -598,6 +600,126 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
   return tokens;
 }
 
+// ---- elementwise: the MLP's gated SiLU, RMSNorm -------------------------------------------
+
+// The bf16 ops of a layer between its matmuls. Inductor fuses them too, but its kernels take
+// about twice as long (its exp and its bf16 conversions); these round where PyTorch's eager
+// bf16 ops do, so they give the same values as those up to the last bit of exp and of a sum.
+
+// Rows of x viewed as [rows, width]; x made contiguous first if it is not.
+struct RowsView {
+  at::Tensor x;
+  int64_t rows, width;
+  explicit RowsView(const at::Tensor& t) : x(t.contiguous()), width(t.size(-1)) {
+    rows = width == 0 ? 0 : x.numel() / width;
+  }
+};
+
+// At least ~8K elements per thread's share of the rows: a parallel region costs a few us.
+inline int64_t rows_grain(int64_t width) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(width, 1)); }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+inline __m512 load_bf16(const BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store_bf16(BFloat16* p, __m512 x, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+// x rounded to bf16 (nearest even) and widened back, as a bf16 intermediate in eager PyTorch.
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+#endif
+
+// [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]; silu rounded to bf16 before the product.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "silu_and_mul: bf16 [..., 2I]");
+  const RowsView in(x);
+  const int64_t I = in.width / 2;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, x.options());
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const BFloat16* src = in.x.data_ptr<BFloat16>();
+  BFloat16* dst = out.data_ptr<BFloat16>();
+  at::parallel_for(0, in.rows, rows_grain(in.width), [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t row = begin; row < end; row++) {
+      const BFloat16* gate = src + row * 2 * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = tail_mask(I - i);
+        const __m512 g = load_bf16(gate + i, m);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store_bf16(dst + row * I + i, _mm512_mul_ps(round_bf16(silu), load_bf16(gate + I + i, m)), m);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "silu_and_mul needs a build with AVX512-BF16");
+#endif
+  return out;
+}
+
+// RMSNorm over the last dim, in fp32, as HF's: weight * bf16(x * rsqrt(mean(x^2) + eps)). With a
+// residual, x + residual (rounded to bf16) is normed and also returned, as the next residual.
+void rms_norm_rows(const RowsView& in, const BFloat16* residual, const at::Tensor& weight, double eps,
+                   at::Tensor& out, BFloat16* summed) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == in.width,
+              "rms_norm: a bf16 weight of the last dim's size");
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const int64_t H = in.width;
+  const BFloat16* src = in.x.data_ptr<BFloat16>();
+  const BFloat16* w = weight.data_ptr<BFloat16>();
+  BFloat16* dst = out.data_ptr<BFloat16>();
+  at::parallel_for(0, in.rows, rows_grain(H), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; row++) {
+      const BFloat16* x = src + row * H;
+      if (residual != nullptr) {  // the sum first, stored: the norm reads it back from L1
+        for (int64_t i = 0; i < H; i += 16) {
+          const __mmask16 m = tail_mask(H - i);
+          store_bf16(summed + row * H + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(residual + row * H + i, m)), m);
+        }
+        x = summed + row * H;
+      }
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m512 v = load_bf16(x + i, tail_mask(H - i));
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(H) + float(eps)));
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = tail_mask(H - i);
+        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(x + i, m), inv));
+        store_bf16(dst + row * H + i, _mm512_mul_ps(load_bf16(w + i, m), normed), m);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "rms_norm needs a build with AVX512-BF16");
+#endif
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: bf16");
+  const RowsView in(x);
+  at::Tensor out = at::empty_like(in.x);
+  rms_norm_rows(in, nullptr, weight, eps, out, nullptr);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && residual.scalar_type() == at::kBFloat16 &&
+                  residual.sizes() == x.sizes(), "add_rms_norm: bf16 x and residual of one shape");
+  const RowsView in(x);
+  const at::Tensor res = residual.contiguous();
+  at::Tensor out = at::empty_like(in.x), summed = at::empty_like(in.x);
+  rms_norm_rows(in, res.data_ptr<BFloat16>(), weight, eps, out, summed.data_ptr<BFloat16>());
+  return {out, summed};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanovllm_cpu, m) {
@@ -609,7 +731,10 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor context_lens, Tensor block_tables, float scale) -> ()");
   m.def("sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
-  m.def("has_packed_linear() -> bool", [] { return kHasPackedLinear; });
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("has_bf16_kernels() -> bool", [] { return kHasBf16Kernels; });
 }
 
 TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
@@ -620,4 +745,7 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("store_kv", &store_kv);
   m.impl("paged_attention", &paged_attention);
   m.impl("sample_rows", &sample_rows);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
 }

@@ -9,7 +9,8 @@ callers fall back to plain PyTorch.
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
-`store_kv`, `paged_attention`; see cpu.cpp.
+`store_kv`, `paged_attention`, `sample_rows`, and the elementwise `silu_and_mul`, `rms_norm`,
+`add_rms_norm`; see cpu.cpp.
 """
 
 import functools
@@ -77,6 +78,19 @@ def _register_fakes() -> None:
     def _(out, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
         return None
 
+    @torch.library.register_fake("nanovllm_cpu::silu_and_mul")
+    def _(x):
+        return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+    @torch.library.register_fake("nanovllm_cpu::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("nanovllm_cpu::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
+
 
 # Rows up to which the packed kernel beats oneDNN (on its own packed weights). Measured on
 # AVX512-BF16 without AMX (2 threads, SmolLM2's shapes, a whole model's linears on weights cold
@@ -88,9 +102,21 @@ PACKED_MAX_ROWS = 16 if "amx_bf16" in _cpu_flags() else 96
 
 
 @functools.cache
-def has_packed_linear() -> bool:
-    """Whether this machine runs the packed bf16 linear kernel (AVX512-BF16)."""
-    return available() and torch.ops.nanovllm_cpu.has_packed_linear()
+def has_bf16_kernels() -> bool:
+    """Whether this machine runs the bf16 kernels (AVX512-BF16): the packed linear, the sampler
+    and the elementwise ops."""
+    return available() and torch.ops.nanovllm_cpu.has_bf16_kernels()
+
+
+def use_elementwise_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Switch the model's layers that have an elementwise kernel here (those with a
+    `use_cpu_kernel` flag: SiluAndMul, RMSNorm) onto it, when the model runs in bf16 on a
+    machine that runs the bf16 kernels."""
+    if dtype != torch.bfloat16 or not has_bf16_kernels():
+        return
+    for module in model.modules():
+        if hasattr(module, "use_cpu_kernel"):
+            module.use_cpu_kernel = True
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:

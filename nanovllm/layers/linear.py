@@ -83,7 +83,7 @@ def pack_weights_for_cpu(model: nn.Module) -> None:
     weight once at memory bandwidth instead of a third of it (they share one arena in huge
     pages), the second saves oneDNN reordering the weight on every prefill step.
     """
-    if not cpu_kernels.has_packed_linear():
+    if not cpu_kernels.has_bf16_kernels():
         return
     modules = [m for m in model.modules() if "onednn_weight" in m._buffers
                and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
