@@ -1,9 +1,11 @@
 """The compiled CPU kernels (cpu.cpp): built on first use, with their Python faces.
 
 The extension is compiled for this machine (`-march=native`) through torch's cpp_extension
-machinery and cached in torch's extensions directory under a name that hashes the source, the
-torch version and the CPU's flags, so an edit, an upgrade or another CPU builds afresh and a
-warm cache loads in well under a second. Without a working compiler `available()` is False and
+machinery and cached in torch's extensions directory under a name that hashes the source, its
+path, the torch version and the CPU's flags, so an edit, an upgrade or another CPU builds
+afresh and a warm cache loads in well under a second. The path is in the name because the
+build remembers where its source was: two checkouts of the same source sharing one build
+would rebuild it (~12 s) at every switch between them. Without a working compiler `available()` is False and
 callers fall back to plain PyTorch.
 
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
@@ -46,7 +48,9 @@ def available() -> bool:
     """Build (or load the cached build of) the kernels; False, with a warning, if that fails."""
     with open(_SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + _BUILD_VERSION + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    fingerprint = [source, _BUILD_VERSION, torch.__version__.encode(), _cpu_flags().encode(),
+                   os.path.realpath(_SOURCE).encode()]
+    key = hashlib.sha256(b"\0".join(fingerprint)).hexdigest()[:16]
     try:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for is a header template whose OpenMP pragmas compile into the
