@@ -19,6 +19,7 @@ import torch
 from conftest import requires_default_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
+from nanovllm.kernels import cpu as cpu_kernels
 
 pytestmark = requires_default_model
 
@@ -96,6 +97,11 @@ def test_compiled_layers_round_like_eager(engines):
         hidden = model.embed_tokens(torch.tensor(prompt))
         residual = torch.zeros_like(hidden)
         assert len(model.layer_runs) < len(model.layers)  # groups, compiled
+        if cpu_kernels.has_bf16_kernels():  # ... around the elementwise kernels, in both modes
+            for engine in engines.values():
+                flags = [m.use_cpu_kernel for m in engine.llm_engine.model_runner.model.modules()
+                         if hasattr(m, "use_cpu_kernel")]
+                assert flags and all(flags)
         for group in model.layer_runs:
             eager = type(group).forward(group, positions, hidden, residual)
             compiled = group(positions, hidden, residual)

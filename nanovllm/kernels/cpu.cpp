@@ -58,6 +58,17 @@ inline __m512 dot_broadcast(__m512 acc, __m512bh w, const void* p) {
   return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_set1_epi32(pair));
 }
 
+// The first min(n, 16) lanes.
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+// 16 bf16 values widened to fp32 (exactly: a bf16 is the top half of an fp32).
+inline __m512 widen_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+inline __m512 load_bf16(const BFloat16* p, __mmask16 m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+inline void store_bf16(BFloat16* p, __m512 x, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+// x rounded to bf16 (nearest even) and widened back, as a bf16 intermediate in eager PyTorch.
+inline __m512 round_bf16(__m512 x) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(x)); }
+
 // acc[m] += sum over k of x[m, k] * W[n, k] for one 16-column panel and M rows of x, given as
 // bf16 pairs: pair k2 of row m at xp[k2 * x_step + m]. Each weight load feeds M dot products,
 // and every row's pair sits at a fixed offset from one pointer, so the broadcasts need no
@@ -80,14 +91,9 @@ void panel_rows(const uint32_t* xp, int64_t x_step, const BFloat16* panel, int64
                 const BFloat16* bias, BFloat16* y, int64_t y_stride, int64_t cols) {
   __m512 acc[M];
   panel_dot<M>(xp, x_step, panel, K2, prefetch, acc);
-  const __mmask16 mask = (__mmask16)((1u << cols) - 1);
-  __m512 b = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-  for (int m = 0; m < M; m++)
-    _mm256_mask_storeu_epi16(y + m * y_stride, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+  const __mmask16 mask = tail_mask(cols);
+  const __m512 b = bias != nullptr ? load_bf16(bias, mask) : _mm512_setzero_ps();
+  for (int m = 0; m < M; m++) store_bf16(y + m * y_stride, _mm512_add_ps(acc[m], b), mask);
 }
 
 using PanelRowsFn = void (*)(const uint32_t*, int64_t, const BFloat16*, int64_t, const BFloat16*, const BFloat16*,
@@ -392,7 +398,7 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
         std::memset(probs[r], 0, sizeof(probs[r]));
         continue;
       }
-      const __mmask16 mask = (__mmask16)((1u << visible) - 1);
+      const __mmask16 mask = tail_mask(visible);
       const __m512 scores = _mm512_mask_blend_ps(mask, minus_inf, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
       const float tile_max = _mm512_reduce_max_ps(scores);
       if (tile_max > running_max[r]) {  // rescale what came before; past the first tiles, rarely
@@ -556,8 +562,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
     for (int64_t row = begin; row < end; row++) {
       const float* l = logits.data_ptr<float>() + row * logits.stride(0);
       auto load16 = [&](int64_t v) {  // the 16 logits at v; -inf past the end
-        const __mmask16 in = V - v >= 16 ? __mmask16(0xffff) : __mmask16((1u << (V - v)) - 1);
-        return _mm512_mask_loadu_ps(minus_inf, in, l + v);
+        return _mm512_mask_loadu_ps(minus_inf, tail_mask(V - v), l + v);
       };
       __m512 max16 = minus_inf;
       for (int64_t v = 0; v < V; v += 16) max16 = _mm512_max_ps(max16, load16(v));
@@ -603,8 +608,9 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
 // ---- elementwise: the MLP's gated SiLU, RMSNorm -------------------------------------------
 
 // The bf16 ops of a layer between its matmuls. Inductor fuses them too, but its kernels take
-// about twice as long (its exp and its bf16 conversions); these round where PyTorch's eager
-// bf16 ops do, so they give the same values as those up to the last bit of exp and of a sum.
+// about twice as long on their own and ~1.4x in a step (its exp and its bf16 conversions);
+// these round where PyTorch's eager bf16 ops do, so they give the same values as those up to
+// the last bit of exp and of a sum.
 
 // Rows of x viewed as [rows, width]; x made contiguous first if it is not.
 struct RowsView {
@@ -617,20 +623,6 @@ struct RowsView {
 
 // At least ~8K elements per thread's share of the rows: a parallel region costs a few us.
 inline int64_t rows_grain(int64_t width) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(width, 1)); }
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-inline __m512 load_bf16(const BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline void store_bf16(BFloat16* p, __m512 x, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
-}
-// x rounded to bf16 (nearest even) and widened back, as a bf16 intermediate in eager PyTorch.
-inline __m512 round_bf16(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-#endif
 
 // [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]; silu rounded to bf16 before the product.
 at::Tensor silu_and_mul(const at::Tensor& x) {

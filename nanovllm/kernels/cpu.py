@@ -5,8 +5,8 @@ machinery and cached in torch's extensions directory under a name that hashes th
 path, the torch version and the CPU's flags, so an edit, an upgrade or another CPU builds
 afresh and a warm cache loads in well under a second. The path is in the name because the
 build remembers where its source was: two checkouts of the same source sharing one build
-would rebuild it (~12 s) at every switch between them. Without a working compiler `available()` is False and
-callers fall back to plain PyTorch.
+would rebuild it (~12 s) at every switch between them. Without a working compiler
+`available()` is False and callers fall back to plain PyTorch.
 
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
