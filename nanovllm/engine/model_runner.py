@@ -21,6 +21,7 @@ from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
+from nanovllm.engine.inductor_rounding import UnfuseReducedPrecisionAddmm
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.kernels.cpu import use_elementwise_kernels
 from nanovllm.layers.attention import Attention
@@ -43,6 +44,11 @@ def compile_on_cpu(config: EngineConfig, device: torch.device, tp_group: TPGroup
             and tp_group.world_size == 1)
 
 
+# One object for every compile: Dynamo reuses a graph only for an equal backend, and the pass
+# compares by identity.
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": UnfuseReducedPrecisionAddmm()}
+
+
 def compile_with_dynamic_tokens(module: torch.nn.Module) -> None:
     """torch.compile `module`'s forward with the leading (token) dim of its tensor arguments
     dynamic and everything else static. The token dim is marked unbacked, a size the compiler
@@ -53,8 +59,10 @@ def compile_with_dynamic_tokens(module: torch.nn.Module) -> None:
     the residual add, the norm, RoPE, SiLU). Without it Inductor keeps fused intermediates in
     fp32; each layer drifts from eager by a bf16 ulp or so, and over 30 layers that turned the
     default model's near-tied first token of "What is the capital of France?" ("The" against
-    "L", 0.08 nats apart in fp32) the wrong way. With it a layer's output equals eager's."""
-    compiled = torch.compile(module.forward, fullgraph=True, options={"emulate_precision_casts": True})
+    "L", 0.08 nats apart in fp32) the wrong way. With it, and with matmuls rounded before the
+    residual add as eager rounds them (see inductor_rounding), a layer's output equals eager's
+    up to the order of the norm's sum (see test_compiled_layers_round_like_eager)."""
+    compiled = torch.compile(module.forward, fullgraph=True, options=COMPILE_OPTIONS)
 
     def forward(*args):
         for arg in args:
