@@ -5,11 +5,11 @@ alias), read its config, pick device and dtype, and settle the scheduler limits.
 Every problem is reported here, before any weight is loaded.
 """
 
-import json
 import os
 from dataclasses import dataclass, field
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,8 +93,8 @@ class EngineConfig:
             raise ValueError(f"model directory {model!r} has no config.json")
         try:
             self.hf_config = AutoConfig.from_pretrained(model)
-        except (ValueError, OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"model directory {model!r} has a malformed config.json: {e}") from e
+        except (ValueError, OSError, TypeError, StrictDataclassError) as e:  # a wrongly typed value too
+            raise ValueError(f"model directory {model!r} has a malformed config.json: {_one_line(e)}") from e
 
     def _resolve_device_and_dtype(self):
         if self.device == "auto":
@@ -113,6 +113,10 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("dtype='float16' is not supported on CPU; use 'bfloat16' or 'float32'")
         self.torch_dtype = DTYPES[self.dtype]
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 def _check_int(name: str, value, minimum: int):

@@ -5,7 +5,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, check_text
 
 
 class LLM:
@@ -61,6 +61,9 @@ class LLM:
 
 def chat_prompt(tokenizer, conversation: list[dict], **template_kwargs) -> dict:
     """A conversation through the model's chat template, as a prompt the engine takes."""
+    for i, message in enumerate(conversation):
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            check_text(f"messages[{i}].content", message["content"])
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **template_kwargs)
     # The template already holds the special tokens the model wants.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -1,6 +1,18 @@
-"""Per-request sampling settings with vLLM's names and meanings, validated on construction."""
+"""Per-request sampling settings with vLLM's names and meanings, validated on construction.
 
+The one source of truth for what a request may ask for: the OpenAI server builds these too,
+and every message starts with the field's name (the server reports it as the error's
+`param`). Values are checked as they will be stored: floats finite in float32, integers
+within int64. What depends on the model (token ids and top_k within the vocabulary) is
+checked by `check_against_vocabulary` when the engine admits the request.
+"""
+
+import math
 from dataclasses import dataclass
+
+MAX_LOGPROBS = 20  # top-N log-probabilities per token, at most (vLLM's default max_logprobs)
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -27,16 +39,17 @@ class SamplingParams:
 
     def __post_init__(self):
         _check_int("n", self.n, 1)
-        _check_number("temperature", self.temperature, ">= 0 (0 means greedy)", lambda v: v >= 0)
-        _check_number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to disable it; got {self.top_k!r}")
-        _check_number("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
-        _check_number("repetition_penalty", self.repetition_penalty, "> 0 (1 disables it)", lambda v: v > 0)
-        _check_number("presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
-        _check_number("frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float("temperature", self.temperature, ">= 0 (0 means greedy)", lambda v: v >= 0)
+        _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        if _is_int(self.top_k) and self.top_k == -1:
+            self.top_k = 0
+        _check_int("top_k", self.top_k, 0, "an integer >= 1, or 0 / -1 to disable it")
+        _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        _check_float("repetition_penalty", self.repetition_penalty, "> 0 (1 disables it)", lambda v: v > 0)
+        _check_float("presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float("frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
         if self.seed is not None:
-            _check_int("seed", self.seed, None)
+            _check_int("seed", self.seed, -INT64_MAX - 1, "a 64-bit integer")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0)
@@ -44,29 +57,77 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0)
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop = stop
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+                _check_int(name, getattr(self, name), 0, f"an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.temperature = float(self.temperature)
-        if self.top_k == -1:
-            self.top_k = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_against_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError for a token id, top_k or number of logprobs that the model's vocabulary
+        cannot hold."""
+        outside = [t for t in self.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}")
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or 0 / -1 to disable "
+                             f"it), got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, "
+                                 f"got {getattr(self, name)}")
 
-def _check_int(name: str, value, minimum: int | None):
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        allowed = "an integer" if minimum is None else f"an integer >= {minimum}"
+
+def check_text(name: str, text: str) -> None:
+    """Raise ValueError if `text` is not valid Unicode (a lone surrogate, from JSON's "\\ud800"
+    or a Python literal, cannot be encoded, tokenized or sent back)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} must be valid Unicode text; it holds a lone surrogate "
+                         f"{text[e.start]!r} at index {e.start}") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, minimum: int, allowed: str | None = None, maximum: int = INT64_MAX):
+    if not _is_int(value) or not minimum <= value <= maximum:
+        allowed = allowed or f"an integer >= {minimum} that fits in 64 bits"
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _check_number(name: str, value, allowed: str, ok):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+def _check_float(name: str, value, allowed: str, ok):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):  # stored as float32, where it would be inf
+        raise ValueError(f"{name} must be a finite number {allowed} that fits in float32, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+
+
+def _stop_strings(stop) -> list[str]:
+    strings = [stop] if isinstance(stop, str) else stop
+    if strings is None:
+        return []
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    for i, s in enumerate(strings):
+        check_text(f"stop[{i}]", s)
+    return list(strings)
+
+
+def _stop_token_ids(ids) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+        raise ValueError(f"stop_token_ids must be a list of non-negative token ids, got {ids!r}")
+    return list(ids)

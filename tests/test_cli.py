@@ -87,6 +87,43 @@ def test_engine_value_error_is_one_line(capsys, tiny_model):
     assert "max_num_seqs" in _one_error_line(capsys.readouterr().err)
 
 
+def _truncate_weights(path):
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def _mistype_config(path):
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = "2"
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _corrupt_tokenizer(path):
+    (path / "tokenizer.json").write_text('{"version": broken')
+
+
+def _remove_tokenizer(path):
+    for file in path.iterdir():
+        if file.name.startswith(("tokenizer", "special", "vocab")):
+            file.unlink()
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (_truncate_weights, "cannot read the checkpoint file {path}/model.safetensors"),
+    (_mistype_config, "has a malformed config.json: Validation error for field 'num_hidden_layers'"),
+    (_corrupt_tokenizer, "has a tokenizer that cannot be loaded (from tokenizer.json, tokenizer_config.json)"),
+    (_remove_tokenizer, "has no tokenizer (none of tokenizer.json"),
+], ids=lambda v: getattr(v, "__name__", "")[1:] or None)
+def test_damaged_checkpoints_fail_at_load_in_one_line(capsys, tmp_path, damage, expected):
+    from conftest import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
+    damage(path)
+    capsys.readouterr()  # saving the checkpoint shows a progress bar
+    assert cli.main(["generate", "hi", "--model", str(path), "--dtype", "float32"]) == 1
+    assert expected.format(path=path) in _one_error_line(capsys.readouterr().err)
+
+
 def test_no_prompt_on_a_terminal_is_an_error(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(isatty=lambda: True))
     assert cli.main(["generate"]) == 1

@@ -129,11 +129,12 @@ def test_seeded_rows_ignore_batch_composition():
     (dict(repetition_penalty=0), "repetition_penalty must be a number > 0"),
     (dict(presence_penalty=3), r"presence_penalty must be a number in \[-2, 2\]"),
     (dict(frequency_penalty=-2.5), r"frequency_penalty must be a number in \[-2, 2\]"),
-    (dict(logprobs=-1), "logprobs must be an integer >= 0"),
+    (dict(logprobs=-1), r"logprobs must be an integer in \[0, 20\]"),
+    (dict(prompt_logprobs=21), r"prompt_logprobs must be an integer in \[0, 20\]"),
     (dict(stop=[""]), "stop must be a non-empty string"),
-    (dict(stop_token_ids=[-3]), "stop_token_ids must be non-negative"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids must be a list of non-negative token ids"),
     (dict(min_tokens=5, max_tokens=2), r"min_tokens \(5\) must not exceed max_tokens \(2\)"),
-    (dict(seed="x"), "seed must be an integer"),
+    (dict(seed="x"), "seed must be a 64-bit integer"),
 ])
 def test_invalid_params_say_what_is_allowed(kwargs, message):
     with pytest.raises(ValueError, match=message):

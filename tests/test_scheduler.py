@@ -119,3 +119,66 @@ def test_randomized_run_keeps_invariants():
     assert all(s.status == SequenceStatus.FINISHED for s in seqs)
     assert sched.block_manager.num_free_blocks == 40
     assert sched.prefix_cache_hit_tokens > 0
+
+
+def test_prefix_hits_are_counted_once_when_admission_waits_for_blocks():
+    sched = make_scheduler(num_blocks=5, budget=64)
+    first = make_seq(8, max_tokens=1)
+    sched.add(first)
+    run_step(sched)  # its two full blocks are now cached and free
+    hog = make_seq(8, max_tokens=4, start=100)
+    sched.add(hog)
+    run_step(sched)
+    again = Sequence(first.token_ids[:8] + list(range(60, 68)), SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add(again)
+    steps_waited = 0
+    while again.status == SequenceStatus.WAITING:  # the hit plus two new blocks do not fit beside hog
+        run_step(sched)
+        steps_waited += 1
+    assert steps_waited > 1
+    assert sched.prefix_cache_hit_tokens == 8
+
+
+def test_later_streams_join_in_the_step_that_completes_the_first_prompt():
+    from nanovllm.engine.sequence import Request
+    sched = make_scheduler(budget=16)
+    request = Request("n4", None, list(range(1, 39)), SamplingParams(n=4, max_tokens=2, ignore_eos=True), 2)
+    for seq in request.seqs:
+        sched.add(seq)
+    short = make_seq(3, max_tokens=2, start=80)
+    sched.add(short)
+    first, *later = request.seqs
+    for _ in range(2):
+        batch, _ = run_step(sched)
+        assert batch.seqs == [first] and batch.num_new_tokens == [16]
+    # The last 6 prompt tokens, the later streams' own last 2 (the first 9 blocks are shared),
+    # and the request behind them, all in one step.
+    batch, _ = run_step(sched)
+    assert batch.seqs == [first, *later, short] and batch.num_new_tokens == [6, 2, 2, 2, 3]
+    assert all(seq.block_table[:9] == first.block_table[:9] for seq in later)
+    while sched.has_unfinished():
+        run_step(sched)
+        sched.block_manager.check_invariants(sched.running)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_every_published_hash_is_its_blocks_whole_chain():
+    """Two equal prompts in one step, one with n=2: the duplicate's blocks stay unpublished,
+    and its later stream (which shares them) must still hash its own blocks from the prompt's
+    start, never from a gap."""
+    from nanovllm.engine.block_manager import block_hash
+    from nanovllm.engine.sequence import Request
+    sched = make_scheduler(budget=64)
+    prompt = list(range(1, 11))  # two full blocks and a partial one
+    sched.add(make_seq(10, max_tokens=8))
+    for seq in Request("n2", None, prompt, SamplingParams(n=2, max_tokens=8, ignore_eos=True), 8).seqs:
+        sched.add(seq)
+    while sched.has_unfinished():
+        run_step(sched, token=lambda seq: 20 + seq.num_tokens)
+        for seq in sched.running:
+            parent = None
+            for i, h in enumerate(seq.block_hashes):
+                parent = block_hash(seq.token_ids[i * BS:(i + 1) * BS], parent)
+                assert h == parent
+    for h, block_id in sched.block_manager.hash_to_block.items():
+        assert sched.block_manager.blocks[block_id].hash == h

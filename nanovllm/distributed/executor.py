@@ -170,6 +170,10 @@ class TPExecutor(ModelRunner):
         self.workers.idle = True
         return out
 
+    def survives(self, error: Exception) -> bool:
+        """Never: a failed step has stopped every rank (see _fail)."""
+        return False
+
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group; idempotent."""
         self._finalizer()

@@ -93,7 +93,11 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-            seq.block_hashes.append(block.hash)
+            # block_hashes stays a prefix of the table's chain: a block shared with a stream
+            # that writes it in this very step has no hash yet, and cache_full_blocks hashes
+            # the rest after the step.
+            if block.hash is not None and len(seq.block_hashes) == len(seq.block_table) - 1:
+                seq.block_hashes.append(block.hash)
         seq.num_computed_tokens += len(cached_blocks) * self.block_size
         for _ in range(num_new_blocks):
             block_id, _ = self.free_blocks.popitem(last=False)

@@ -6,6 +6,7 @@ use; `step` returns a RequestOutput for every request that advanced, with cumula
 """
 
 import json
+import logging
 import os
 from itertools import count
 
@@ -15,11 +16,13 @@ from nanovllm.config import EngineConfig
 from nanovllm.distributed.executor import make_executor
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Request, Sequence
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, check_text
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -50,17 +53,13 @@ class LLMEngine:
             request_id = str(next(self._request_ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, prompt = prompt.get("prompt"), prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key, "
-                                 f"got keys {sorted(prompt)}")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params.check_against_vocabulary(self.vocab_size)
+        text, prompt = _split_prompt(prompt)
+        if text is not None:
+            check_text("prompt", text)
         if isinstance(prompt, str):
-            text = prompt
             token_ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
@@ -118,7 +117,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the outputs of the requests that advanced."""
         batch = self.scheduler.schedule()
-        out = self.model_runner.execute(batch)
+        try:
+            out = self.model_runner.execute(batch)
+        except Exception as error:
+            if not self.model_runner.survives(error):
+                raise
+            return self._fail_step(batch, error)
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.decode_tokens_computed += num_decode
@@ -133,6 +137,20 @@ class LLMEngine:
         for request in requests.values():
             if request.finished:
                 self._forget(request)
+        return outputs
+
+    def _fail_step(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        """A step raised, leaving the engine sound: its requests end with finish_reason "error"
+        and free their blocks (no hash of this step's blocks was published), and the engine
+        goes on with the others."""
+        requests = {seq.request_id: self.requests[seq.request_id] for seq in batch.seqs}
+        logger.error("a step failed; ending its requests %s with an error", sorted(requests), exc_info=error)
+        for request in requests.values():
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "error")
+        outputs = [self._output(request) for request in requests.values()]
+        for request in requests.values():
+            self._forget(request)
         return outputs
 
     def _process_token(self, seq: Sequence, logprobs):
@@ -198,11 +216,41 @@ class LLMEngine:
         }
 
 
+def _split_prompt(prompt) -> tuple[str | None, object]:
+    """(its text, if any; what to tokenize or the token ids) of a prompt in any accepted form."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
+            return text, prompt["prompt_token_ids"]
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key, "
+                             f"got keys {sorted(prompt)}")
+    return (prompt if isinstance(prompt, str) else None), prompt
+
+
+# Files that hold a vocabulary; without one, transformers builds an empty tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
     if config.is_gguf:
         from nanovllm.loader.gguf import load_gguf_tokenizer
         return load_gguf_tokenizer(config.model_path)
-    return AutoTokenizer.from_pretrained(config.model_path)
+    path = config.model_path
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"model directory {path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "copy the tokenizer files of the model into it")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, TypeError, KeyError) as e:  # a corrupt tokenizer.json, a bad tokenizer_config
+        files = sorted(name for name in os.listdir(path) if name.startswith(("tokenizer", "vocab", "special")))
+        message = " ".join(str(e).split())
+        raise ValueError(f"model directory {path!r} has a tokenizer that cannot be loaded (from "
+                         f"{', '.join(files)}): {type(e).__name__}: {message}") from e
 
 
 def collect_eos_token_ids(config: EngineConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -279,6 +279,12 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         return self._sample(batch, hidden)
 
+    def survives(self, error: Exception) -> bool:
+        """Whether further steps can run after `error` escaped `execute`: yes for a fault of the
+        step's own inputs (the engine then fails just those requests); no after a device error,
+        which may leave the CUDA context unusable."""
+        return not isinstance(error, torch.AcceleratorError)
+
     def _guard_stance(self):
         """With compiled layers: Dynamo checks only the guards that tell its cached graphs apart
         (none, with one graph), not all of each graph's guards on every layer call: ~0.7 ms of a

@@ -73,26 +73,46 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         # Admitting new work right after a preemption would only thrash the pool.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Move waiting sequences into the batch, in order, while the budget, max_num_seqs and
+        the block pool allow.
+
+        The later streams of an n > 1 request share the first stream's full prompt blocks, and
+        may join in the very step that computes the last of them: every attention backend writes
+        a step's new KV into the cache before any query of the step reads it, so a stream may
+        attend to blocks another writes in the same step."""
+        bs = self.block_manager.block_size
+        # Sequences whose whole prompt is computed once this step has run.
+        prompt_done = {seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                       if seq.num_computed_tokens + n >= seq.num_prompt_tokens}
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             parent = seq.parent
-            if parent is not None and parent.status == SequenceStatus.RUNNING:
-                if parent.num_computed_tokens < parent.num_prompt_tokens:
-                    break  # the first of n streams is still prefilling the prompt the others will share
-                cached = parent.block_table[:(seq.num_tokens - 1) // self.block_manager.block_size]
+            shares_parent = parent is not None and parent.status == SequenceStatus.RUNNING
+            if shares_parent:
+                # A running first stream was scheduled before this point; with budget left, it
+                # took all of its prompt that remained.
+                assert parent.num_computed_tokens >= parent.num_prompt_tokens or parent in prompt_done
+                cached = parent.block_table[:(seq.num_tokens - 1) // bs]
             else:
                 cached = self.block_manager.find_cached_prefix(seq)
-                self.prefix_cache_hit_tokens += len(cached) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            num_new = min(seq.num_tokens - len(cached) * bs, budget)
             if not self.block_manager.allocate(seq, num_new, cached):
                 break
             self.waiting.popleft()
+            if not shares_parent:  # counted once admitted: a sequence that waits is looked up again
+                self.prefix_cache_hit_tokens += len(cached) * bs
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            if seq.num_computed_tokens + num_new >= seq.num_prompt_tokens:
+                prompt_done.add(seq)
             budget -= num_new
-        return batch
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)

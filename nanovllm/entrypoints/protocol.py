@@ -9,13 +9,20 @@ repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 include_stop_str_in_output), with vLLM's meanings.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
 
-MAX_LOGPROBS = 20  # top-N log-probabilities per token, at most (vLLM's default max_logprobs)
+
+def _valid_text(text: str) -> str:
+    check_text("the string", text)
+    return text
+
+
+# A string that can be tokenized and sent back: no lone surrogates (JSON's "\ud800").
+Text = Annotated[str, AfterValidator(_valid_text)]
 
 
 class APIError(Exception):
@@ -23,11 +30,18 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
+        # Messages may quote the request; a lone surrogate in it could not be encoded as JSON.
+        message = _encodable(message)
+        param = None if param is None else _encodable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Strict(BaseModel):
@@ -46,17 +60,17 @@ class StreamOptions(_Strict):
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = None  # None: the served model, as in vLLM
+    model: Text | None = None  # None: the served model, as in vLLM
     n: int = Field(1, le=128)
     temperature: float = 1.0
     top_p: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # informational in OpenAI's API; accepted, used for nothing
+    user: Text | None = None  # informational in OpenAI's API; accepted, used for nothing
     # vLLM's extras
     top_k: int = 0
     min_p: float = 0.0
@@ -102,9 +116,15 @@ class CompletionRequest(SamplingRequest):
         def is_ids(p):
             return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
-        if isinstance(prompt, str) or (is_ids(prompt) and prompt):
+        if isinstance(prompt, str):
+            check_text("prompt", prompt)
+            return prompt
+        if is_ids(prompt) and prompt:
             return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+            for i, p in enumerate(prompt):
+                if isinstance(p, str):
+                    check_text(f"prompt[{i}]", p)
             return prompt
         raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
 
@@ -117,12 +137,12 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         if isinstance(self.content, str):

@@ -117,7 +117,12 @@ class Sampler(nn.Module):
             tokens = self._draw(logits, batch, generator)
             if bool(greedy_rows.any()):
                 tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
-        out = SamplerOutput(tokens.tolist(), [None] * len(tokens))
+        token_ids = tokens.tolist()
+        vocab_size = logits.shape[1]
+        outside = [row for row, t in enumerate(token_ids) if not 0 <= t < vocab_size]
+        if outside:  # NaN logits: fail this step rather than the next one that would embed the id
+            raise RuntimeError(f"sampling rows {outside} drew no token of the vocabulary (NaN logits?)")
+        out = SamplerOutput(token_ids, [None] * len(tokens))
         if wanted:
             chosen_lp, ranks, top = top_logprobs(raw_logprobs, tokens, max(wanted))
             chosen_lp, ranks = chosen_lp.tolist(), ranks.tolist()

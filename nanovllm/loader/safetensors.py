@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 _INDEX = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -34,6 +34,9 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of the checkpoint, one file at a time."""
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:  # truncated or corrupt: say which file
+            raise ValueError(f"cannot read the checkpoint file {path}: {e}") from None
