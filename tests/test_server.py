@@ -35,13 +35,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVE = [sys.executable, "-m", "nanovllm.entrypoints.openai_server"]
+
+
 class Server:
-    def __init__(self, checkpoint: Path, log: Path, *flags: str):
+    """`launcher` (a command line that takes serve's flags) on a free port, served as `name`
+    (None: the server's default name)."""
+
+    def __init__(self, checkpoint: Path, log: Path, *flags: str, name: str | None = MODEL,
+                 launcher: list[str] = SERVE):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai_server", "--model", str(checkpoint),
-               "--served-model-name", MODEL, "--port", str(self.port), *ENGINE_FLAGS, *flags]
+        naming = ["--served-model-name", name] if name is not None else []
+        cmd = [*launcher, "--model", str(checkpoint), *naming, "--port", str(self.port), *ENGINE_FLAGS, *flags]
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                          cwd=Path(__file__).resolve().parents[1])
@@ -144,7 +151,7 @@ def sse(response: requests.Response) -> list:
 
 
 def post(server: Server, path: str, body, key: str | None = API_KEY, **kwargs) -> requests.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return requests.post(f"{server.url}{path}", data=data, headers=headers, timeout=60, **kwargs)
 
@@ -315,7 +322,7 @@ def test_disconnecting_client_aborts_a_whole_response(server):
     body = json.dumps({"model": MODEL, "prompt": "abort me too", "max_tokens": LONG, "temperature": 0,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 10
@@ -342,6 +349,20 @@ def _error_cases():
         ("wrong key", {"prompt": "x"}, "not-the-key", 401, None, "API key"),
         ("prompt too long", too_long, API_KEY, 400, "prompt", f"max_model_len={MAX_MODEL_LEN}"),
         ("body too large", {"prompt": "x" * (2 << 20)}, API_KEY, 413, None, "1048576"),
+        # Bodies that once killed the engine for good (a NaN or out-of-range id inside a step).
+        ("infinite temperature", b'{"prompt":"Hello","max_tokens":8,"min_tokens":4,"temperature":Infinity}',
+         API_KEY, 400, "temperature", "finite"),
+        ("temperature past float32", {"prompt": "Hello", "max_tokens": 8, "min_tokens": 4, "temperature": 1e39},
+         API_KEY, 400, "temperature", "float32"),
+        ("stop id past the vocabulary", {"prompt": "Hello", "max_tokens": 8, "min_tokens": 1, "stop_token_ids": [49152]},
+         API_KEY, 400, "stop_token_ids", "[0, 320)"),
+        ("stop id past int64", {"prompt": "Hello", "max_tokens": 8, "stop_token_ids": [18446744073709551616]},
+         API_KEY, 400, "stop_token_ids", "non-negative token ids"),
+        ("top_k past int64", {"prompt": "Hello", "max_tokens": 8, "top_k": 9223372036854775808, "temperature": 1.0},
+         API_KEY, 400, "top_k", "top_k must be"),
+        ("too many prompts", {"prompt": ["x"] * 65}, API_KEY, 400, "prompt", "at most 64 prompts"),
+        ("lone surrogate in the prompt", {"prompt": "abc\ud800"}, API_KEY, 400, "prompt", "lone surrogate"),
+        ("lone surrogate in the model", {"model": "abc\ud800", "prompt": "x"}, API_KEY, 400, "model", "surrogate"),
     ]
 
 
@@ -419,3 +440,62 @@ def test_sigterm_finishes_streams_and_exits_cleanly(servers):
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{server.url}/health", timeout=2)
     assert "Traceback" not in server.log.read_text()
+
+
+# Runs the server with a fault injected into its engine: `step` makes every step that samples a
+# row at temperature 1.5 raise (a fault of those requests), `device` makes every step raise a
+# device error (the engine cannot go on).
+FAULTY_SERVER = """
+import sys, torch
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.layers.sampler import Sampler
+mode = sys.argv.pop(1)
+if mode == "step":
+    forward = Sampler.forward
+    def faulty(self, logits, batch, generator):
+        if bool((batch.temperatures == 1.5).any()):
+            raise RuntimeError("injected fault")
+        return forward(self, logits, batch, generator)
+    Sampler.forward = faulty
+else:
+    def faulty(self, batch):
+        raise torch.AcceleratorError("injected device fault")
+    ModelRunner.execute = faulty
+from nanovllm.entrypoints.cli import main
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
+
+
+def faulty_server(checkpoint: Path, tmp: Path, mode: str) -> Server:
+    script = tmp / "faulty_server.py"
+    script.write_text(FAULTY_SERVER)
+    return Server(checkpoint, tmp / "server.log", launcher=[sys.executable, str(script), mode])
+
+
+def test_a_failing_step_answers_500_and_the_server_goes_on(checkpoint, tmp_path):
+    server = faulty_server(checkpoint, tmp_path, "step")
+    try:
+        server.wait_ready()
+        failed = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 1.5}, key=None)
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        events = sse(post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                             "temperature": 1.5, "stream": True}, key=None))
+        assert events[-2]["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+        ok = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0}, key=None)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        assert wait_idle(server)["nanovllm:kv_cache_used_blocks"] == 0
+        assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_dead_engine_stops_the_server_with_an_error(checkpoint, tmp_path):
+    server = faulty_server(checkpoint, tmp_path, "device")
+    try:
+        server.wait_ready()
+        response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4}, key=None)
+        assert response.status_code == 503 and "injected device fault" in response.json()["error"]["message"]
+        assert server.proc.wait(30) == 1
+        assert "error: the engine failed, so the server stopped" in server.log.read_text()
+    finally:
+        server.stop()

@@ -2,11 +2,13 @@
 
 Rank 0 hosts the store either on a free port the OS picks (when it spawns its workers on
 this machine, so two engines never collide) or at MASTER_ADDR:MASTER_PORT (when the ranks
-are started independently, torchrun-style). Each other rank counts itself in under
-`JOINED_KEY` once connected, so rank 0 can wait for them while watching for deaths.
+are started independently, torchrun-style), listening on that address only: the store has no
+authentication and the ranks unpickle what it hands them. Each other rank counts itself in
+under `JOINED_KEY` once connected, so rank 0 can wait for them while watching for deaths.
 """
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,6 +49,13 @@ def launch_env() -> LaunchEnv | None:
 
 
 def open_store(host: str, port: int, world_size: int, is_master: bool) -> dist.TCPStore:
-    """Rank 0 hosts the store (port 0: any free port, read back as `store.port`); others connect."""
+    """Rank 0 hosts the store on `host` (port 0: any free port, read back as `store.port`); others connect."""
+    listen_fd = None
+    if is_master:
+        # TCPStore's own server listens on every interface whatever `host` is; handed a listening
+        # socket, it serves that one. It takes the descriptor over (and closes it): detach().
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.create_server(address, family=family)
+        port, listen_fd = listener.getsockname()[1], listener.detach()
     return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=RENDEZVOUS_TIMEOUT,
-                         wait_for_workers=False)
+                         wait_for_workers=False, master_listen_fd=listen_fd)

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step failed, or the engine shut down); no request can run."""
+    """The engine thread stopped (a step failed beyond recovery, or the engine shut down); no
+    request can run."""
 
 
 class RequestObserver(Protocol):
@@ -93,9 +94,13 @@ class _Tracked:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, observer: RequestObserver | None = None):
+    def __init__(self, engine: LLMEngine, observer: RequestObserver | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
+        """`on_failure(error)` runs on the engine thread once a step has failed in a way the
+        engine does not survive (see LLMEngine.step), after every stream has been told."""
         self.engine = engine
         self.observer = observer
+        self.on_failure = on_failure
         self.metrics = engine.get_metrics()  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._cond = threading.Condition()
@@ -208,6 +213,8 @@ class AsyncLLMEngine:
             for tracked in self._tracked.values():
                 tracked.stream.put(EngineDeadError(self._dead_reason()))
             self._tracked.clear()
+            if self.on_failure is not None:
+                self.on_failure(e)
         # Adds posted after the thread's last look at the inbox will never run: fail them.
         with self._cond:
             pending, self._pending_adds = self._pending_adds, {}

@@ -4,10 +4,15 @@ Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET 
 GET /metrics. Every request goes through one AsyncLLMEngine, so all of them share one
 continuous batch. Responses follow OpenAI's wire format, streamed ones as server-sent events.
 
-Order of checks for a request: API key (401), body size (413), JSON (400), fields (400),
-model name (404), sampling values and prompt (400); only then is anything queued. A client
-that goes away, mid-stream or while waiting for a whole response, aborts its requests, which
-frees their KV blocks at once. SIGINT/SIGTERM: stop accepting, let in-flight requests run for
+Order of checks for a request: Host (400; only on a server bound to a loopback address, which
+answers only Hosts that name loopback, so a DNS-rebinding page cannot reach it), Origin (403
+unless it is the server's own or named by --allowed-origins, whose requests and preflights get
+CORS headers), API key (401), Content-Type (415 unless application/json, on the POST
+endpoints), body size (413), JSON (400), fields (400), model name (404), sampling values and
+prompt (400); only then is anything queued. A request whose headers and body have not all
+arrived within --request-read-timeout seconds has its connection closed. A client that goes
+away, mid-stream or while waiting for a whole response, aborts its requests, which frees their
+KV blocks at once. SIGINT/SIGTERM: stop accepting, let in-flight requests run for
 --shutdown-timeout seconds, abort what is left (those streams end with finish_reason "abort"),
 exit with status 0.
 """
@@ -15,6 +20,8 @@ exit with status 0.
 import argparse
 import asyncio
 import copy
+import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -23,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import jinja2
 import uvicorn
@@ -31,6 +38,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
@@ -38,12 +47,16 @@ from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                            parse_request)
+from nanovllm.entrypoints.server_guards import BrowserGuard, ReadTimeoutH11Protocol, is_loopback, parse_origins
 from nanovllm.llm import chat_prompt
 from nanovllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_PROMPTS = 64
+_SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)}
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 # JSON has no -inf: a logprob that low is reported as this, as vLLM does.
 MIN_LOGPROB = -9999.0
 
@@ -51,15 +64,28 @@ MIN_LOGPROB = -9999.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default: %(default)s; 0.0.0.0 exposes the server to the network)")
+                       help="address to bind (default: %(default)s; 0.0.0.0 exposes the server to the network); "
+                            "bound to loopback, the server answers only requests whose Host names loopback")
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"), metavar="KEY",
                        help="require `Authorization: Bearer KEY` on /v1 endpoints (default: $NANOVLLM_API_KEY; "
                             "none: no key needed)")
     group.add_argument("--served-model-name", metavar="NAME",
-                       help="the model's name in the API (default: the --model value)")
+                       help="the model's name in the API and in /metrics (default: the base name of --model, "
+                            "e.g. Qwen3-0.6B for path/to/Qwen3-0.6B; never the path)")
+    group.add_argument("--allowed-origins", default="", metavar="ORIGIN[,ORIGIN...]",
+                       help="browser origins (scheme://host[:port]) that may call the server cross-origin; they "
+                            "get CORS headers, * allows any (default: none: a request with an Origin header "
+                            "other than the server's own gets 403)")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                        help="larger request bodies get 413 (default: %(default)s)")
+    group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
+                       help="a /v1/completions request with more prompts gets 400, so that no one request "
+                            "fills the batch for everyone else (default: %(default)s)")
+    group.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT,
+                       metavar="SECONDS",
+                       help="close the connection of a request whose headers and body have not all arrived "
+                            "this many seconds after the server began waiting for it (default: %(default)s)")
     group.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGINT/SIGTERM, how long in-flight requests may run before they are aborted "
                             "(default: %(default)s)")
@@ -76,13 +102,23 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    model_name = args.served_model_name or args.model
+    if args.max_prompts_per_request < 1:
+        raise ValueError(f"--max-prompts-per-request must be >= 1, got {args.max_prompts_per_request}")
+    if not args.request_read_timeout > 0:
+        raise ValueError(f"--request-read-timeout must be > 0, got {args.request_read_timeout}")
+    allowed_origins = parse_origins(args.allowed_origins)
+    model_name = args.served_model_name or served_name(args.model)
     metrics = ServerMetrics(model_name)
-    engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_kwargs(args))), observer=metrics)
+    # An engine that died cannot be revived in this process: stop serving and exit non-zero, so
+    # that a supervisor restarts the server rather than it answering 503 for ever.
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(**engine_kwargs(args))), observer=metrics,
+                            on_failure=lambda error: server.stop_after_failure())
     metrics.watch(engine)
-    app = build_app(engine, model_name, metrics, api_key=args.api_key or None,
-                    max_body_bytes=args.max_request_body_bytes)
+    app = build_app(engine, model_name, metrics, host=args.host, api_key=args.api_key or None,
+                    max_body_bytes=args.max_request_body_bytes, allowed_origins=allowed_origins,
+                    max_prompts=args.max_prompts_per_request)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+                            http=functools.partial(ReadTimeoutH11Protocol, read_timeout=args.request_read_timeout),
                             # A backstop: our own timer aborts in-flight requests before this.
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
     server = _Server(config, on_exit=lambda: _abort_after(engine, args.shutdown_timeout))
@@ -95,11 +131,14 @@ def main(args: argparse.Namespace) -> int:
         server.run()
     finally:
         engine.shutdown()
+    if engine.error is not None:
+        print(f"error: the engine failed, so the server stopped: {engine.error!r}", file=sys.stderr)
+        return 1
     return 0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, with a hook on the first SIGINT/SIGTERM."""
+    """uvicorn's server, with a hook on the first SIGINT/SIGTERM, and a stop any thread may ask for."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
         super().__init__(config)
@@ -112,6 +151,9 @@ class _Server(uvicorn.Server):
             self._exit_requested = True
             self._on_exit()
 
+    def stop_after_failure(self):
+        self.should_exit = True  # uvicorn's main loop looks at it ten times a second
+
 
 def _abort_after(engine: AsyncLLMEngine, seconds: float):
     timer = threading.Timer(seconds, engine.abort_all)
@@ -119,11 +161,23 @@ def _abort_after(engine: AsyncLLMEngine, seconds: float):
     timer.start()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The routes; call it before `engine.start()`, while this thread may still read the engine."""
-    serving = _Serving(engine, model_name)
+def served_name(model: str) -> str:
+    """The API's default name for `--model`: its base name, never the path (which would tell
+    every client where the server keeps its files); the default model's alias stays as it is."""
+    return os.path.basename(os.path.abspath(os.path.expanduser(model)))
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, host: str = "127.0.0.1",
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              allowed_origins: Collection[str] = (), max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+    """The routes, behind the browser checks for a server bound to `host`; call it before
+    `engine.start()`, while this thread may still read the engine."""
+    serving = _Serving(engine, model_name, max_prompts)
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None, openapi_url=None)
+    if allowed_origins:  # preflights and CORS headers for them; the refusal of others is BrowserGuard's
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+    app.add_middleware(BrowserGuard, check_host=is_loopback(host), allowed_origins=allowed_origins)  # outermost
 
     async def check_api_key(request: Request):
         if api_key is None:
@@ -136,6 +190,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, a
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def read_json(request: Request):
+        # A page may POST text/plain cross-origin without a preflight; JSON needs one.
+        content_type = request.headers.get("content-type")
+        if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
+            given = f"got {content_type!r}" if content_type is not None else "none was given"
+            raise APIError(415, f"The request body must be JSON, sent with Content-Type: application/json "
+                                f"({given}).", code="unsupported_media_type")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_body_bytes:
             raise _too_large(max_body_bytes, int(declared))
@@ -154,6 +214,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, a
     async def api_error(_: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, e: ClientDisconnect):  # e.g. its body was not read in time
+        return Response(status_code=499)  # nobody reads this
+
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError):
         return JSONResponse(APIError(503, str(e), type="server_error").body(), status_code=503)
@@ -170,7 +234,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, a
     @app.get("/health")
     async def health():
         if not engine.is_alive:
-            raise APIError(503, "the engine is not running", type="server_error")
+            reason = "the engine is not running" if engine.error is None else f"the engine failed: {engine.error!r}"
+            raise APIError(503, reason, type="server_error")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -207,14 +272,15 @@ def _too_large(limit: int, declared: int | None = None) -> APIError:
 class _Serving:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_prompts: int):
         self.engine = engine
         self.model_name = model_name
+        self.max_prompts = max_prompts
         # The server tokenizes with its own copy: the engine's tokenizer belongs to the engine thread.
         self.tokenizer: PreTrainedTokenizerBase = copy.deepcopy(engine.engine.tokenizer)
         config = engine.engine.config
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanovllm",
-                           "root": config.model_path, "max_model_len": config.max_model_len}
+                           "root": model_name, "max_model_len": config.max_model_len}
 
     def check_model(self, model: str | None):
         if model is not None and model != self.model_name:
@@ -227,6 +293,10 @@ class _Serving:
         self.check_model(body.model)
         # With echo, the prompt's logprobs come back too (OpenAI's legacy scoring idiom).
         params = _sampling_params(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
+        if len(body.prompts()) > self.max_prompts:
+            raise APIError(400, f"A request may hold at most {self.max_prompts} prompts, got {len(body.prompts())} "
+                                "(the server's --max-prompts-per-request); send the rest in other requests.",
+                           param="prompt")
         prompts = [self._encode(p) for p in body.prompts()]
         response_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(response_id, prompts, params)
@@ -239,6 +309,8 @@ class _Serving:
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         outputs = [finals[f"{response_id}-{i}"] for i in range(len(prompts))]
+        for output in outputs:
+            _raise_if_failed(output)
         choices = [builder.whole_choice(i, out, completion) for i, out in enumerate(outputs)
                    for completion in out.outputs]
         return JSONResponse({"id": response_id, "object": "text_completion", "created": int(time.time()),
@@ -266,6 +338,7 @@ class _Serving:
         if finals is None:
             return Response(status_code=499)
         output = finals[f"{response_id}-0"]
+        _raise_if_failed(output)
         return JSONResponse({"id": response_id, "object": "chat.completion", "created": int(time.time()),
                              "model": self.model_name,
                              "choices": [builder.whole_choice(c) for c in output.outputs],
@@ -286,8 +359,10 @@ class _Serving:
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
             return await self.engine.add_requests(request_ids, prompts, params)
-        except (ValueError, TypeError) as e:  # a prompt the engine will not take, e.g. too long
-            raise APIError(400, str(e), param="prompt") from None
+        except (ValueError, TypeError) as e:  # a prompt, or a value for this model, the engine will not take
+            # Messages about a sampling value start with its name ("stop_token_ids must be ...").
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else "prompt") from None
 
     def chunk(self, response_id: str, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": response_id, "object": kind, "created": int(time.time()), "model": self.model_name,
@@ -336,6 +411,7 @@ class _CompletionChoices:
             return self.serving.chunk(response_id, "text_completion", [choice], **usage_extra)
 
         async for output in stream:
+            _raise_if_failed(output)
             p = _prompt_number(output.request_id)
             echo = self.echoes[p] if self.echoes is not None else ""
             for completion in output.outputs:
@@ -411,6 +487,7 @@ class _ChatChoices:
         sent_text, sent_tokens, finished = [0] * body.n, [0] * body.n, set()
         final = None
         async for output in stream:
+            _raise_if_failed(output)
             for completion in output.outputs:
                 index = completion.index
                 if index in finished:
@@ -451,6 +528,13 @@ def _finite(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+def _raise_if_failed(output: RequestOutput) -> None:
+    """A request whose step failed (the engine logged why and went on) is answered as a 500."""
+    if any(completion.finish_reason == "error" for completion in output.outputs):
+        raise APIError(500, "The engine failed while running this request; the server log says why.",
+                       type="server_error")
+
+
 def _prompt_number(request_id: str) -> int:
     return int(request_id.rsplit("-", 1)[1])  # request ids are f"{response_id}-{prompt number}"
 
@@ -470,6 +554,8 @@ def _sse(stream: RequestStream, chunks: AsyncIterator[dict]) -> StreamingRespons
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         except EngineDeadError as e:  # the status line is long gone: the error travels as an event
             yield f"data: {json.dumps(APIError(503, str(e), type='server_error').body())}\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
         finally:
             # Runs also when the client disconnects (Starlette cancels this generator).
             stream.abort()
