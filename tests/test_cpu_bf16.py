@@ -20,6 +20,8 @@ from conftest import requires_default_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.platforms.cpu import KERNEL_MODULES
+from nanovllm.platforms.cpu_compile import LayerGroup
 
 pytestmark = requires_default_model
 
@@ -104,13 +106,13 @@ def test_compiled_layers_round_like_eager(engines):
     with torch.inference_mode(), forward_context(runner.backend, runner.backend.prepare(layout)):
         hidden = model.embed_tokens(torch.tensor(prompt))
         residual = torch.zeros_like(hidden)
-        assert len(model.layer_runs) < len(model.layers)  # groups, compiled
+        assert all(isinstance(group, LayerGroup) for group in model.layers)  # compiled groups
         if cpu_kernels.has_bf16_kernels():  # ... around the elementwise kernels, in both modes
             for engine in engines.values():
-                flags = [m.use_cpu_kernel for m in engine.llm_engine.model_runner.model.modules()
-                         if hasattr(m, "use_cpu_kernel")]
-                assert flags and all(flags)
-        for group in model.layer_runs:
+                modules = list(engine.llm_engine.model_runner.model.modules())
+                assert not any(type(m) in KERNEL_MODULES for m in modules)
+                assert any(type(m) in KERNEL_MODULES.values() for m in modules)
+        for group in model.layers:
             eager = type(group).forward(group, positions, hidden, residual)
             compiled = group(positions, hidden, residual)
             for e, c in zip(eager, compiled):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.engine.model_runner import compile_with_dynamic_tokens
+from nanovllm.platforms.cpu_compile import compile_with_dynamic_tokens
 
 torch.manual_seed(0)
 HIDDEN = 576

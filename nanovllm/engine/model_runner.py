@@ -6,11 +6,8 @@ It also owns the model weights and the paged KV cache (one tensor each for K and
 layer, in the attention backend's layout, sliced into the attention layers).
 """
 
-import contextlib
-import ctypes
 import logging
 import os
-import time
 
 import numpy as np
 import torch
@@ -21,98 +18,15 @@ from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
-from nanovllm.engine.inductor_rounding import UnfuseReducedPrecisionAddmm
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.kernels.cpu import use_elementwise_kernels
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.linear import pack_weights_for_cpu
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingBatch, top_logprobs
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
+from nanovllm.platforms import get_platform
 
 GiB = 1 << 30
 logger = logging.getLogger(__name__)
-
-
-def compile_on_cpu(config: EngineConfig, device: torch.device, tp_group: TPGroup) -> bool:
-    """torch.compile is the CPU's answer to CUDA graphs: it fuses the elementwise ops around
-    the matmuls and removes most per-op dispatch. Off with enforce_eager, and in fp32, which
-    stays the exact reference path (the tests' parity with transformers runs there, eager and
-    fast to start); tensor parallelism runs eager (collectives inside the graph are not worth
-    a compile on CPU)."""
-    return (device.type == "cpu" and not config.enforce_eager and config.torch_dtype != torch.float32
-            and tp_group.world_size == 1)
-
-
-# One object for every compile: Dynamo reuses a graph only for an equal backend, and the pass
-# compares by identity.
-COMPILE_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": UnfuseReducedPrecisionAddmm()}
-
-
-def compile_with_dynamic_tokens(module: torch.nn.Module) -> None:
-    """torch.compile `module`'s forward with the leading (token) dim of its tensor arguments
-    dynamic and everything else static. The token dim is marked unbacked, a size the compiler
-    may not specialise on (not even 1, which it otherwise gives a graph of its own), so one graph
-    serves every step; static shapes elsewhere keep the guards cheap (the cache never resizes).
-
-    emulate_precision_casts: the fused kernels round to bf16 wherever the eager code does (after
-    the residual add, the norm, RoPE, SiLU). Without it Inductor keeps fused intermediates in
-    fp32; each layer drifts from eager by a bf16 ulp or so, and over 30 layers that turned the
-    default model's near-tied first token of "What is the capital of France?" ("The" against
-    "L", 0.08 nats apart in fp32) the wrong way. With it, and with matmuls rounded before the
-    residual add as eager rounds them (see inductor_rounding), a layer's output equals eager's
-    up to the order of the norm's sum (see test_compiled_layers_round_like_eager)."""
-    compiled = torch.compile(module.forward, fullgraph=True, options=COMPILE_OPTIONS)
-
-    def forward(*args):
-        for arg in args:
-            torch._dynamo.decorators.mark_unbacked(arg, 0)
-        return compiled(*args)
-
-    module.forward = forward
-
-
-# Decoder layers per compiled call. Each call into a compiled graph costs ~80 us of Python and
-# Dynamo on these CPUs, 30 times a step with one layer a call (~2.4 ms of a ~12 ms
-# single-sequence decode step). Two layers a call halve that (a 128-token request 1.79 ->
-# 1.63 s) and divide every usual layer count; more saves less and compiles longer (~0.8 s a
-# layer more per graph).
-LAYERS_PER_GRAPH = 2
-
-
-class LayerGroup(torch.nn.Module):
-    """Consecutive decoder layers as one call, (positions, hidden, residual) -> (hidden, residual):
-    the unit compiled on CPU."""
-
-    def __init__(self, layers: list[torch.nn.Module]):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor):
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return hidden, residual
-
-
-def keep_freed_memory_mapped() -> None:
-    """Stop glibc's malloc from handing freed memory back to the kernel between steps.
-
-    By default every allocation over 128 KB to 32 MB (it adapts) is its own mmap, and the heap's
-    free top is trimmed, so each prefill step's activations (MBs each) come back as fresh pages
-    that fault in and are zeroed: ~40,000 page faults in a 2,048-token step of the default
-    model, a second of kernel time over the throughput benchmark. A fixed 32 MB mmap threshold
-    (glibc's most) and no trimming keep those pages in the heap for the next step; the process
-    then holds its peak activations, which max_num_batched_tokens bounds. No-op off glibc.
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: mallopt's option numbers below are glibc's
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 class ModelRunner:
@@ -121,8 +35,7 @@ class ModelRunner:
         self.tp_group = tp_group
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
-        if self.device.type == "cpu":
-            keep_freed_memory_mapped()
+        self.platform = get_platform(self.device, config.torch_dtype, config.enforce_eager, tp_group)
         self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attn_layers[0]
@@ -135,10 +48,7 @@ class ModelRunner:
             self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, config.max_model_len,
                                                self.block_size, self.device)
             self.cuda_graphs.capture()
-        self.compile_seconds = 0.0
-        self.compiled = compile_on_cpu(config, self.device, tp_group)
-        if self.compiled:
-            self._compile()
+        self.compile_seconds = self.platform.compile(self.model, self._warmup)
         self.sampler = Sampler()
         self.eos_token_ids: set[int] = set()  # set by the engine; min_tokens holds these back
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -160,9 +70,10 @@ class ModelRunner:
             from nanovllm.loader.safetensors import iter_safetensors
             weights = iter_safetensors(config.model_path)
         load_weights(model, weights)
-        if self.device.type == "cpu":
-            pack_weights_for_cpu(model)
-            use_elementwise_kernels(model, config.torch_dtype)
+        for module in model.modules():
+            if hasattr(module, "linear_method"):
+                module.linear_method.process_weights_after_loading(module)
+        self.platform.prepare_model(model)
         return model.eval()
 
     @property
@@ -202,41 +113,20 @@ class ModelRunner:
         dtype = self.config.torch_dtype
         if self.backend.needs_zeroed_cache:  # padded lanes read unused slots, and 0 * NaN garbage is NaN
             self.k_cache, self.v_cache = (torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
-        elif self.device.type == "cpu":  # uninitialised costs nothing until a page is first written
-            from nanovllm.kernels.cpu import empty_in_huge_pages
-            self.k_cache, self.v_cache = (empty_in_huge_pages(shape, dtype) for _ in range(2))
         else:
-            self.k_cache, self.v_cache = (torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2))
+            self.k_cache, self.v_cache = (self.platform.empty_kv_cache(shape, dtype, self.device) for _ in range(2))
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
 
-    def _compile(self) -> None:
-        """Compile the decoder layers with torch.compile, LAYERS_PER_GRAPH at a time, now rather
-        than in the first request.
-
-        Groups of layers, not the whole model: every group of every model of one shape shares a
-        single compiled graph (parameters and cache are graph inputs), so 30 layers compile once
-        (a last, shorter group would add a graph) and a second engine in the same process
-        compiles nothing; the whole model as one graph compiles for 35-39 s. The token count is
-        dynamic, and attention is one opaque op and the linear op picks its kernel by row count
-        at run time, so one graph serves prefill, decode and mixed steps alike.
-        """
-        start = time.perf_counter()
-        model = self.model.model
-        model.layer_runs = [LayerGroup(model.layers[i:i + LAYERS_PER_GRAPH])
-                            for i in range(0, len(model.layers), LAYERS_PER_GRAPH)]
-        for group in model.layer_runs:
-            compile_with_dynamic_tokens(group)
-        # One token, written into slot 0 of block 0: garbage there is harmless, since a block's
-        # slots are always written by the sequence that owns them before anything reads them.
-        # Its tensors are made under inference_mode, as a step's are: the guards tell inference
-        # tensors apart, and a warm-up on others compiled a graph no step runs.
+    def _warmup(self) -> None:
+        """One token, written into slot 0 of block 0: garbage there is harmless, since a block's
+        slots are always written by the sequence that owns them before anything reads them. Its
+        tensors are made under inference_mode, as a step's are: compiled graphs' guards tell
+        inference tensors apart, and a warm-up on others compiles a graph no step runs."""
         with torch.inference_mode():
             input_ids, positions, layout = warmup_batch(1, self.config.max_model_len, 1, self.block_size, self.device)
             with forward_context(self.backend, self.backend.prepare(layout)):
                 self.model(input_ids, positions)
-        self.compile_seconds = time.perf_counter() - start
-        logger.info("compiled the decoder layers for CPU in %.1f s", self.compile_seconds)
 
     def _prepare(self, batch: ScheduledBatch):
         """The step's flat tensors, built with whole-batch numpy ops: per sequence, only its new
@@ -275,7 +165,7 @@ class ModelRunner:
             hidden = self.cuda_graphs.run(input_ids, positions, layout)
         else:
             metadata = self.backend.prepare(layout)
-            with forward_context(self.backend, metadata), self._guard_stance():
+            with forward_context(self.backend, metadata), self.platform.step_context():
                 hidden = self.model(input_ids, positions)
         return self._sample(batch, hidden)
 
@@ -284,21 +174,6 @@ class ModelRunner:
         step's own inputs (the engine then fails just those requests); no after a device error,
         which may leave the CUDA context unusable."""
         return not isinstance(error, torch.AcceleratorError)
-
-    def _guard_stance(self):
-        """With compiled layers: Dynamo checks only the guards that tell its cached graphs apart
-        (none, with one graph), not all of each graph's guards on every layer call: ~0.7 ms of a
-        12 ms decode step. The skipped guards could only catch a step whose inputs differ from
-        the warm-up's in _compile, and none does: it ran a step's kind of inputs (inference
-        tensors, an unbacked token count) through every layer, and steps pass the same dtypes,
-        devices and static shapes. Engines of other shapes in the process compile their own
-        graphs at their own warm-up (guards on), which the remaining guards tell apart; a step
-        that matched no graph would raise, not recompile. The stance is Dynamo's process-wide
-        setting: compiled code of the user's running in another thread during a step skips its
-        guards too."""
-        if self.compiled:
-            return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-        return contextlib.nullcontext()
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> SamplerOutput:
         """Logits only for the rows that need them: the last row of each sampling sequence,

@@ -112,17 +112,6 @@ def has_bf16_kernels() -> bool:
     return available() and torch.ops.nanovllm_cpu.has_bf16_kernels()
 
 
-def use_elementwise_kernels(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Switch the model's layers that have an elementwise kernel here (those with a
-    `use_cpu_kernel` flag: SiluAndMul, RMSNorm) onto it, when the model runs in bf16 on a
-    machine that runs the bf16 kernels."""
-    if dtype != torch.bfloat16 or not has_bf16_kernels():
-        return
-    for module in model.modules():
-        if hasattr(module, "use_cpu_kernel"):
-            module.use_cpu_kernel = True
-
-
 def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
     n, k = weight.shape
     return -(-n // 16), -(-k // 2), 16, 2

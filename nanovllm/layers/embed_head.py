@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
-from nanovllm.layers.linear import apply_linear, register_cpu_packing_slots
+from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -48,14 +48,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ W^T over this rank's vocab shard, gathered on rank 0.
 
-    A tied head is built the same way and then given the embedding's weight parameter.
+    A tied head is built the same way and then given the embedding's weight parameter. The
+    weight is the embedding's, so the linear method only multiplies (a kernel's method may
+    repack it at load time).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup):
         super().__init__(vocab_size, hidden_size, tp_group=tp_group)
-        register_cpu_packing_slots(self)
+        self.linear_method: LinearMethod = UnquantizedLinearMethod()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden_size] -> logits [n, vocab_size] on rank 0, None elsewhere."""
-        logits = self.tp_group.gather(apply_linear(hidden, self, None), dim=-1)
+        logits = self.tp_group.gather(self.linear_method.apply(self, hidden, None), dim=-1)
         return None if logits is None else logits[:, :self.vocab_size]

@@ -14,7 +14,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.use_cpu_kernel = False  # set by kernels.cpu.use_elementwise_kernels
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -24,10 +23,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if self.use_cpu_kernel:
-            if residual is None:
-                return torch.ops.nanovllm_cpu.rms_norm(x, self.weight, self.eps)
-            return torch.ops.nanovllm_cpu.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = x + residual  # in the model dtype, like HF's residual stream

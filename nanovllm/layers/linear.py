@@ -10,20 +10,16 @@ projection (offset in the packed weight), then which rank (chunk of that project
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes
 the full (unsharded) checkpoint tensor and copies this rank's part, converting dtype.
 
-On CPUs with AVX512-BF16, `pack_weights_for_cpu` gives each bf16 layer a second copy of its
-weight in the layout of the packed decode kernel (nanovllm/kernels/cpu.cpp) and a third in
-oneDNN's own blocked layout; the layer then runs that kernel for a few rows and oneDNN's GEMM
-for many.
+How the weight is stored and multiplied is the layer's `linear_method` (layers/quantization):
+the plain one at construction; the platform or a weight format may choose another at load
+time.
 """
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
-from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.loader.weights import default_weight_loader
 
 
@@ -48,58 +44,10 @@ def copy_chunk(dst: torch.Tensor, src: torch.Tensor, dim: int, index: int, num_c
 
 
 def _make_params(module: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
-    """Give `module` weight [output_size, input_size] and optional bias, wired to its weight_loader."""
-    module.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-    module.weight.weight_loader = module.weight_loader
-    if bias:
-        module.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-        module.bias.weight_loader = module.weight_loader
-    else:
-        module.register_parameter("bias", None)
-    register_cpu_packing_slots(module)
-
-
-def register_cpu_packing_slots(module: nn.Module) -> None:
-    """The buffers pack_weights_for_cpu fills: the packed kernel's copy of the weight and the
-    handle of oneDNN's."""
-    module.register_buffer("packed_weight", None, persistent=False)
-    module.register_buffer("onednn_weight", None, persistent=False)
-
-
-def apply_linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b; with packed copies of W, the CPU kernel that picks its method by row count."""
-    if module.packed_weight is None:
-        return F.linear(x, module.weight, bias)
-    return torch.ops.nanovllm_cpu.linear(x, module.weight, module.packed_weight, bias, cpu_kernels.PACKED_MAX_ROWS,
-                                         module.onednn_weight)
-
-
-def pack_weights_for_cpu(model: nn.Module) -> None:
-    """Give every bf16 CPU layer with packing slots its weight in the packed kernel's layout
-    and in oneDNN's.
-
-    A no-op where the kernel cannot run (no AVX512-BF16, or the kernels failed to build). The
-    copies cost twice the weights' size in RAM: the first is what lets a decode step stream each
-    weight once at memory bandwidth instead of a third of it (they share one arena in huge
-    pages), the second saves oneDNN reordering the weight on every prefill step.
-    """
-    if not cpu_kernels.has_bf16_kernels():
-        return
-    modules = [m for m in model.modules() if "onednn_weight" in m._buffers
-               and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
-    if not modules:
-        return
-    shapes = [cpu_kernels.packed_shape(m.weight) for m in modules]
-    arena = cpu_kernels.empty_in_huge_pages((sum(math.prod(s) for s in shapes),), torch.bfloat16)
-    with_onednn = torch.backends.mkldnn.is_available()
-    offset = 0
-    for module, shape in zip(modules, shapes):
-        size = math.prod(shape)
-        module.packed_weight = cpu_kernels.pack_linear_weight(module.weight,
-                                                              out=arena[offset:offset + size].view(shape))
-        offset += size
-        if with_onednn:
-            module.onednn_weight = cpu_kernels.onednn_pack(module.weight, owner=module)
+    """Give `module` its linear method and, through it, weight [output_size, input_size] and an
+    optional bias, wired to its weight_loader."""
+    module.linear_method: LinearMethod = UnquantizedLinearMethod()
+    module.linear_method.create_weights(module, input_size, output_size, bias)
 
 
 class ReplicatedLinear(nn.Module):
@@ -113,7 +61,7 @@ class ReplicatedLinear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -131,7 +79,7 @@ class ColumnParallelLinear(nn.Module):
         copy_chunk(param.data, loaded_weight, 0, self.tp_group.rank, self.tp_group.world_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_linear(x, self, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -211,5 +159,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank holds the bias, but only rank 0 adds it: the all-reduce sums it once.
-        y = apply_linear(x, self, self.bias if self.tp_group.is_first_rank else None)
+        y = self.linear_method.apply(self, x, self.bias if self.tp_group.is_first_rank else None)
         return self.tp_group.all_reduce(y)

@@ -94,18 +94,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, rotary_emb, tp_group)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # What forward calls in turn, each as layer(positions, hidden, residual): the layers, or
-        # groups of them that the CPU path compiles (ModelRunner._compile). A plain list: the
-        # layers stay registered under `layers` alone.
-        self.layer_runs: list[nn.Module] = list(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # The residual stream starts at zero (x + 0 is exactly x), so that every layer runs the
         # same code: one compiled graph serves them all.
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)
-        for run in self.layer_runs:
-            hidden, residual = run(positions, hidden, residual)
+        # Each entry is called as layer(positions, hidden, residual) -> (hidden, residual); a
+        # platform may replace runs of layers by one module that calls them in turn.
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
         return self.norm(hidden, residual)[0]
 
 

@@ -1,0 +1,23 @@
+"""The interface every linear method implements."""
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """Stores and multiplies one linear layer's weight: y = x W^T (+ b).
+
+    `create_weights` gives the layer the parameters a checkpoint loads into (each wired to the
+    layer's `weight_loader`); `process_weights_after_loading` may then repack them for a kernel;
+    `apply` runs the product. Chosen once, at load time: no layer checks a device or a flag."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...

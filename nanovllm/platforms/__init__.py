@@ -1,0 +1,43 @@
+"""What differs per device, behind one small interface the model runner asks: how to prepare a
+loaded model (repack weights, swap in kernel-backed modules), where the KV cache lives, whether
+and how to compile, and what to hold around each step. Layers and models never ask.
+
+CUDA's own pieces (graph capture, memory sizing) are still in engine/cuda_graph.py and
+engine/gpu_memory.py; the CUDA platform here only keeps the defaults.
+"""
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nanovllm.distributed.parallel_state import TPGroup
+
+
+class Platform:
+    """The defaults: nothing to prepare, an ordinary cache tensor, eager steps."""
+
+    compiled = False  # whether the model's decoder layers run compiled
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Called once the weights are loaded."""
+
+    def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised cache tensor (for a backend that never reads an unwritten slot)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def compile(self, model: nn.Module, warmup: Callable[[], None]) -> float:
+        """Compile what this platform compiles; `warmup` runs a one-token step through the model.
+        Returns the seconds it took."""
+        return 0.0
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def get_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup) -> Platform:
+    if device.type == "cpu":
+        from nanovllm.platforms.cpu import CPUPlatform
+        return CPUPlatform(dtype, enforce_eager, tp_group)
+    return Platform()

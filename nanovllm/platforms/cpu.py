@@ -1,0 +1,124 @@
+"""The CPU platform: the compiled kernels where the machine runs them, torch.compile of the
+decoder layers, memory settings for steps and the KV cache, and Dynamo's guard stance for steps.
+
+In bf16 on a machine that runs the bf16 kernels (nanovllm/kernels/cpu.py), every linear layer
+and the LM head take the packed CPU method, and RMSNorm and the gated SiLU become modules that
+call the elementwise kernels (rounding where the eager layers do). Elsewhere the plain PyTorch
+layers run, compiled unless in fp32.
+"""
+
+import contextlib
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nanovllm.distributed.parallel_state import TPGroup
+from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.quantization import UnquantizedLinearMethod
+from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
+from nanovllm.platforms import Platform
+from nanovllm.platforms.cpu_compile import compile_decoder_layers
+
+logger = logging.getLogger(__name__)
+
+
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm (with its residual add) on the CPU kernel."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return torch.ops.nanovllm_cpu.rms_norm(x, self.weight, self.eps)
+        return torch.ops.nanovllm_cpu.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class KernelSiluAndMul(SiluAndMul):
+    """The gated SiLU on the CPU kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.nanovllm_cpu.silu_and_mul(x)
+
+
+# The same state, another forward: a module switches by its class, keeping its parameters and
+# every reference to it.
+KERNEL_MODULES = {RMSNorm: KernelRMSNorm, SiluAndMul: KernelSiluAndMul}
+
+
+def use_elementwise_kernels(model: nn.Module) -> None:
+    for module in model.modules():
+        kernel_class = KERNEL_MODULES.get(type(module))
+        if kernel_class is not None:
+            module.__class__ = kernel_class
+
+
+def keep_freed_memory_mapped() -> None:
+    """Stop glibc's malloc from handing freed memory back to the kernel between steps.
+
+    By default every allocation over 128 KB to 32 MB (it adapts) is its own mmap, and the heap's
+    free top is trimmed, so each prefill step's activations (MBs each) come back as fresh pages
+    that fault in and are zeroed, tens of thousands of faults a large step. A fixed 32 MB mmap
+    threshold (glibc's most) and no trimming keep those pages in the heap for the next step; the
+    process then holds its peak activations, which max_num_batched_tokens bounds. No-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # glibc only: mallopt's option numbers below are glibc's
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+class CPUPlatform(Platform):
+    def __init__(self, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup):
+        keep_freed_memory_mapped()
+        self.dtype = dtype
+        # fp32 stays the exact reference path (the parity tests run there, eager and fast to
+        # start); tensor parallelism runs eager (collectives inside the graph are not worth a
+        # compile on CPU).
+        self.compiled = not enforce_eager and dtype != torch.float32 and tp_group.world_size == 1
+
+    def prepare_model(self, model: nn.Module) -> None:
+        if self.dtype != torch.bfloat16 or not cpu_kernels.has_bf16_kernels():
+            return
+        linears = [m for m in model.modules() if type(getattr(m, "linear_method", None)) is UnquantizedLinearMethod
+                   and m.weight.dtype == torch.bfloat16]
+        CPUPackedBF16LinearMethod.pack_all(linears)
+        use_elementwise_kernels(model)
+
+    def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # Uninitialised costs nothing until a page is first written.
+        return cpu_kernels.empty_in_huge_pages(shape, dtype)
+
+    def compile(self, model: nn.Module, warmup: Callable[[], None]) -> float:
+        """Compile the decoder layers (see cpu_compile) now rather than in the first request:
+        `warmup` runs a step's kind of inputs through them."""
+        if not self.compiled:
+            return 0.0
+        start = time.perf_counter()
+        compile_decoder_layers(model.model)
+        warmup()
+        seconds = time.perf_counter() - start
+        logger.info("compiled the decoder layers for CPU in %.1f s", seconds)
+        return seconds
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """With compiled layers: Dynamo checks only the guards that tell its cached graphs apart
+        (none, with one graph), not all of each graph's guards on every layer call. The skipped
+        guards could only catch a step whose inputs differ from the warm-up's, and none does: it
+        ran a step's kind of inputs (inference tensors, an unbacked token count) through every
+        layer, and steps pass the same dtypes, devices and static shapes. Engines of other shapes
+        in the process compile their own graphs at their own warm-up (guards on), which the
+        remaining guards tell apart; a step that matched no graph would raise, not recompile.
+        The stance is Dynamo's process-wide setting: compiled code of the user's running in
+        another thread during a step skips its guards too."""
+        if self.compiled:
+            return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+        return contextlib.nullcontext()
