@@ -1,6 +1,6 @@
 """What the HTTP server refuses before any route runs: Host and Origin headers that a web page
 could have sent (DNS rebinding, cross-site requests), and requests whose headers and body never
-finish arriving. The OpenAI server (openai_server.py) installs both."""
+finish arriving. The OpenAI server (openai_server/app.py) installs both."""
 
 import asyncio
 import ipaddress

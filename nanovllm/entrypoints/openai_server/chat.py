@@ -1,0 +1,97 @@
+"""POST /v1/chat/completions: the messages through the model's chat template into one engine
+request, its n choices whole or streamed (role first, then content deltas), with chat logprobs."""
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from nanovllm.engine.async_engine import RequestStream
+from nanovllm.entrypoints.openai_server.serving import (Serving, collect_unless_disconnected, finite_logprob,
+                                                        raise_if_failed, sampling_params, sse_response,
+                                                        token_usage)
+from nanovllm.entrypoints.openai_server.streaming import StreamedChoices
+from nanovllm.entrypoints.protocol import ChatCompletionRequest
+from nanovllm.outputs import CompletionOutput, PositionLogprobs
+
+
+async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
+    serving.check_model(body.model)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, top_logprobs)
+    prompt = serving.apply_chat_template(body)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = await serving.submit(response_id, [prompt], params)
+    builder = ChatChoices(serving, body)
+    if body.stream:
+        return sse_response(stream, builder.stream_chunks(stream, response_id))
+    finals = await collect_unless_disconnected(stream, request)
+    if finals is None:
+        return Response(status_code=499)
+    output = finals[f"{response_id}-0"]
+    raise_if_failed(output)
+    return JSONResponse({"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                         "model": serving.model_name,
+                         "choices": [builder.whole_choice(c) for c in output.outputs],
+                         "usage": token_usage([output])})
+
+
+class ChatChoices:
+    """Choices of one /v1/chat/completions response: index = completion index."""
+
+    def __init__(self, serving: Serving, body: ChatCompletionRequest):
+        self.serving = serving
+        self.body = body
+
+    def whole_choice(self, completion: CompletionOutput) -> dict:
+        return {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+                "logprobs": self._logprobs(completion.token_ids, completion.logprobs) if self.body.logprobs else None,
+                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    async def stream_chunks(self, stream: RequestStream, response_id: str) -> AsyncIterator[dict]:
+        body = self.body
+        usage_extra = {"usage": None} if body.include_usage else {}
+
+        def chunk(choice: dict) -> dict:
+            return self.serving.chunk(response_id, "chat.completion.chunk", [choice], **usage_extra)
+
+        # OpenAI opens every choice with the role, before any content.
+        for index in range(body.n):
+            yield chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        choices = StreamedChoices(with_logprobs=bool(body.logprobs))
+        final = None
+        async for output in stream:
+            raise_if_failed(output)
+            for completion in output.outputs:
+                index = completion.index
+                step = choices.advance(index, completion)
+                if step is None:
+                    continue
+                if step.sends_delta:
+                    logprobs = self._logprobs(step.token_ids, step.logprobs) if body.logprobs else None
+                    yield chunk({"index": index, "delta": {"content": step.text}, "logprobs": logprobs,
+                                 "finish_reason": None})
+                if step.finishes:
+                    yield chunk({"index": index, "delta": {}, "logprobs": None,
+                                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+            final = output
+        if body.include_usage:
+            yield self.serving.chunk(response_id, "chat.completion.chunk", [], usage=token_usage([final]))
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs]) -> dict:
+        top_n = self.body.top_logprobs or 0
+        content = []
+        for token_id, position in zip(token_ids, positions):
+            # The engine's dict lists the top-N by rank, then the chosen token if it is not among them.
+            top = [_chat_logprob(entry.decoded_token, entry.logprob) for entry in list(position.values())[:top_n]]
+            chosen = position[token_id]
+            content.append({**_chat_logprob(chosen.decoded_token, chosen.logprob), "top_logprobs": top})
+        return {"content": content}
+
+
+def _chat_logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": finite_logprob(logprob), "bytes": list(token.encode("utf-8"))}
