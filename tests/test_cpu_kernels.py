@@ -82,7 +82,7 @@ def paged_step(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=
 
 
 def token_major(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU backend's caches ([KVH, blocks, bs * D], see cpu.cpp) as [blocks * bs, KVH, D]."""
+    """The CPU backend's caches ([KVH, blocks, bs * D], see kernels/cpu/attention.cpp) as [blocks * bs, KVH, D]."""
     kvh, blocks, width = k_cache.shape
     bs = width // head_dim
     k = k_cache.view(kvh, blocks, head_dim // 2, bs, 2).permute(1, 3, 0, 2, 4)

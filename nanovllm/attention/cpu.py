@@ -1,4 +1,5 @@
-"""CPU attention over the paged KV cache with the compiled kernels (nanovllm/kernels/cpu.cpp).
+"""CPU attention over the paged KV cache with the compiled kernels
+(nanovllm/kernels/cpu/attention.cpp).
 
 One kernel call per layer attends every query row of the step, decodes and prefill chunks
 alike, reading each sequence's context in place through its block table: no gathered copies,
@@ -6,9 +7,9 @@ no masks, no per-sequence Python. The step's layout is the metadata as it is.
 
 The cache is head-major ([KVH, blocks, block_size * head_dim] per layer: a sequence's
 consecutive blocks of one head are one stream) and has this backend's own order inside a
-block (keys pair-of-dims major, values pair-of-tokens major; see cpu.cpp), which is what lets
-the kernel run on bf16 dot-product instructions without shuffles; so head_dim and block_size
-must be even.
+block (keys pair-of-dims major, values pair-of-tokens major; see kernels/cpu/attention.cpp),
+which is what lets the kernel run on bf16 dot-product instructions without shuffles; so
+head_dim and block_size must be even.
 
 No kernel here reads a slot at or past a sequence's context length, and every slot below it
 was written by this step or an earlier one, so the cache may start uninitialised.

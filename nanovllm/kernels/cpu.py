@@ -1,21 +1,24 @@
-"""The compiled CPU kernels (cpu.cpp): built on first use, with their Python faces.
+"""The compiled CPU kernels (cpu/, a .cpp file per op family): built on first use, with their
+Python faces.
 
 The extension is compiled for this machine (`-march=native`) through torch's cpp_extension
-machinery and cached in torch's extensions directory under a name that hashes the source, its
-path, the torch version and the CPU's flags, so an edit, an upgrade or another CPU builds
-afresh and a warm cache loads in well under a second. The path is in the name because the
-build remembers where its source was: two checkouts of the same source sharing one build
-would rebuild it (~12 s) at every switch between them. Without a working compiler
-`available()` is False and callers fall back to plain PyTorch.
+machinery and cached in torch's extensions directory under a name that hashes every source and
+header with its path, the torch version and the CPU's flags, so an edit to any of them, an
+upgrade or another CPU builds afresh and a warm cache loads in well under a second. The paths
+are in the name because the build remembers where its sources were: two checkouts of the same
+sources sharing one build would rebuild it (~50 s on two cores: each file parses torch's
+headers) at every switch between them. Without a working compiler `available()` is False and
+callers fall back to plain PyTorch.
 
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
 `store_kv`, `paged_attention`, `sample_rows`, and the elementwise `silu_and_mul`, `rms_norm`,
-`add_rms_norm`; see cpu.cpp.
+`add_rms_norm`; see cpu/registration.cpp.
 """
 
 import functools
+import glob
 import hashlib
 import logging
 import math
@@ -28,7 +31,11 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu.cpp")
+_SOURCE_DIR = os.path.join(os.path.dirname(__file__), "cpu")
+# The .cpp files are compiled; the build key hashes the headers with them, as an edit to a
+# header must rebuild too. Sorted: the key must not depend on the order a directory lists in.
+_SOURCES = sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.cpp")))
+_HEADERS = sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.h")))
 _BUILD_VERSION = b"1"  # bump when the build flags change
 
 
@@ -46,17 +53,17 @@ def _cpu_flags() -> str:
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False, with a warning, if that fails."""
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    fingerprint = [source, _BUILD_VERSION, torch.__version__.encode(), _cpu_flags().encode(),
-                   os.path.realpath(_SOURCE).encode()]
+    fingerprint = [_BUILD_VERSION, torch.__version__.encode(), _cpu_flags().encode()]
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            fingerprint += [f.read(), os.path.realpath(path).encode()]
     key = hashlib.sha256(b"\0".join(fingerprint)).hexdigest()[:16]
     try:
         from torch.utils.cpp_extension import load
         # -fopenmp: at::parallel_for is a header template whose OpenMP pragmas compile into the
         # extension; without the flag it silently runs on one thread. The libgomp this links
         # resolves to the one torch already loaded (same soname), so there is one thread pool.
-        load(name=f"nanovllm_cpu_{key}", sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        load(name=f"nanovllm_cpu_{key}", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, an unsupported platform...
         logger.warning("nano-vllm CPU kernels could not be built (%s); using plain PyTorch, which is slower", e)
@@ -96,12 +103,10 @@ def _register_fakes() -> None:
                 torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
-# Rows up to which the packed kernel beats oneDNN (on its own packed weights). Measured on
-# AVX512-BF16 without AMX (2 threads, SmolLM2's shapes, a whole model's linears on weights cold
-# in cache, as in a step): the packed kernel streams weights at memory speed for a few rows and
-# stays ahead of oneDNN's GEMM to about 100 rows (24 rows: 17.9 ms against 23.5; 64: 43.9
-# against 49.3; 96: 64.8 against 68.7; 128: 88.7 against 86.7). With AMX tiles oneDNN's GEMM
-# is several times faster than any AVX-512 kernel once there are rows enough to fill them.
+# Rows up to which the packed kernel beats oneDNN (on its own packed weights): it streams the
+# weights at memory speed for a few rows and, on AVX512-BF16 without AMX, stays ahead of oneDNN's
+# GEMM to about 100 rows; with AMX tiles oneDNN's GEMM is several times faster than any AVX-512
+# kernel once there are rows enough to fill them (measurements in benchmarks/RESULTS.md).
 PACKED_MAX_ROWS = 16 if "amx_bf16" in _cpu_flags() else 96
 
 
@@ -136,7 +141,7 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     For data the kernels read a few KB at a time from all over (the KV cache: a layer's share of
     a decode step spans thousands of 4 KB pages, more than the TLB holds) or stream through (the
     packed weights: hardware prefetchers stop at page boundaries), 2 MB pages save a page walk
-    every 4 KB: a third off decode attention and off batch-1 linears on the machines we measured.
+    every 4 KB (figures in benchmarks/RESULTS.md).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:  # mmap cannot map nothing

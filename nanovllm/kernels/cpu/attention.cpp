@@ -1,0 +1,346 @@
+// The paged KV cache's two ops:
+//  * store_kv: scatters a step's new keys/values into the paged cache by slot (-1 = skip).
+//  * paged_attention: causal attention of every query row of a step (decodes and prefill
+//    chunks alike) over the paged cache, read in place through the block tables.
+//
+// Cache layout, per layer: [KVH][blocks][bs * D], head-major, so that one KV head's blocks lie
+// back to back and a sequence's run of consecutive block ids reads as one stream (the
+// hardware prefetchers follow it; block-major, a head's 2 KB of a block sat between the other
+// heads' and every block was a new stream). Inside one block of one head (bs = block size,
+// D = head_dim):
+//    keys   [D/2][bs][2]: for each pair of dims, the 16 tokens of a tile side by side, so one
+//           64-byte load times a broadcast query pair yields 16 partial scores at once;
+//    values [bs/2][D][2]: for each pair of tokens, their values interleaved dim by dim, so one
+//           load times a broadcast pair of probabilities adds two tokens into 16 outputs.
+// Both feed AVX512-BF16 dot products with no shuffles and no horizontal sums.
+//
+// Only slots below a sequence's context length are ever read, and those were written by this
+// or an earlier step, so the cache never needs zeroing; lanes past the end are masked before
+// any arithmetic touches them (0 * NaN garbage would be NaN).
+
+#include "ops.h"
+#include "simd_bf16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace nanovllm_cpu {
+namespace {
+
+// Offsets of (token in block, dim) inside one block of one KV head, in the layouts above.
+inline int64_t key_offset(int64_t t, int64_t d, int64_t bs) { return ((d / 2) * bs + t) * 2 + (d & 1); }
+inline int64_t value_offset(int64_t t, int64_t d, int64_t D) { return ((t / 2) * D + d) * 2 + (t & 1); }
+
+}  // namespace
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  // k, v: [T, KVH, D], each head's D contiguous; caches: [KVH, blocks, bs * D].
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3, "caches: [KVH, blocks, bs*D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtypes");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v heads must be contiguous");
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(2) / D;
+  TORCH_CHECK(k_cache.size(0) == KVH && bs * D == k_cache.size(2), "cache shape does not fit k");
+  const int64_t num_blocks = k_cache.size(1), num_slots = num_blocks * bs;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto run = [&](auto* type_tag) {
+    using T_ = std::remove_pointer_t<decltype(type_tag)>;
+    T_* kc = k_cache.data_ptr<T_>();
+    T_* vc = v_cache.data_ptr<T_>();
+    const T_* ks = k.data_ptr<T_>();
+    const T_* vs = v.data_ptr<T_>();
+    // Split even a decode step's few tokens between threads: each token writes a cache line per
+    // pair of key dims, ~100 lines per token of the default model, all cold, so the time is
+    // misses in flight, and two threads keep twice as many (56 tokens: 43 us -> 30 us a layer).
+    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;  // a padding row
+        TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache");
+        const int64_t block = slot / bs, pos = slot % bs;
+        for (int64_t h = 0; h < KVH; h++) {
+          T_* kb = kc + (h * num_blocks + block) * bs * D;
+          T_* vb = vc + (h * num_blocks + block) * bs * D;
+          const T_* kr = ks + t * k.stride(0) + h * k.stride(1);
+          const T_* vr = vs + t * v.stride(0) + h * v.stride(1);
+          for (int64_t d = 0; d < D; d++) {
+            kb[key_offset(pos, d, bs)] = kr[d];
+            vb[value_offset(pos, d, D)] = vr[d];
+          }
+        }
+      }
+    });
+  };
+  if (k.scalar_type() == at::kBFloat16) {
+    run(static_cast<BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kFloat, "store_kv supports float32 and bfloat16");
+    run(static_cast<float*>(nullptr));
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------------
+
+namespace {
+
+// One unit of work: query rows [row_begin, row_end) of one sequence, one KV head.
+struct Item {
+  int64_t seq, head, row_begin, row_end;
+  double cost;
+};
+
+// A (query row, query head) pair; `last` is the last key position it may see.
+template <typename T>
+struct Row {
+  const T* q;
+  T* out;
+  int64_t last;
+};
+
+struct Paged {
+  const int32_t* table;  // the sequence's block table
+  int64_t bs, D, num_blocks, head;
+  // Start of the data of the block holding token t, for this KV head.
+  template <typename T>
+  const T* block(const T* cache, int64_t t) const {
+    return cache + (head * num_blocks + table[t / bs]) * bs * D;
+  }
+};
+
+// Portable path (fp32, or shapes the vectorised path does not take): one row at a time.
+template <typename T>
+void attend_rows_generic(const Row<T>* rows, int n, const T* k_cache, const T* v_cache, const Paged& pg,
+                         float scale, std::vector<float>& scratch) {
+  const int64_t D = pg.D, bs = pg.bs;
+  for (int r = 0; r < n; r++) {
+    const int64_t len = rows[r].last + 1;
+    scratch.resize(len + D);
+    float* s = scratch.data();
+    float* acc = s + len;
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; t++) {
+      const T* kb = pg.block(k_cache, t);
+      float dot = 0;
+      for (int64_t d = 0; d < D; d++) dot += float(rows[r].q[d]) * float(kb[key_offset(t % bs, d, bs)]);
+      s[t] = dot * scale;
+      max_score = std::max(max_score, s[t]);
+    }
+    float sum = 0;
+    for (int64_t t = 0; t < len; t++) sum += (s[t] = std::exp(s[t] - max_score));
+    std::fill(acc, acc + D, 0.0f);
+    for (int64_t t = 0; t < len; t++) {
+      const T* vb = pg.block(v_cache, t);
+      for (int64_t d = 0; d < D; d++) acc[d] += s[t] * float(vb[value_offset(t % bs, d, D)]);
+    }
+    for (int64_t d = 0; d < D; d++) rows[r].out[d] = T(acc[d] / sum);
+  }
+}
+
+#ifdef NANOVLLM_BF16_KERNELS
+// acc += w . (the bf16 pair at p, broadcast to all 16 lanes).
+inline __m512 dot_broadcast(__m512 acc, __m512bh w, const void* p) {
+  uint32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_set1_epi32(pair));
+}
+
+// bf16, D = 16 * chunks, block size a multiple of 16: NR rows at once over 16-key tiles with an
+// online softmax, so every key and value load feeds NR dot products. Scores accumulate in fp32;
+// probabilities are rounded to bf16 for the value sum, as flash attention does.
+template <int chunks, int NR>
+void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const BFloat16* v_cache, const Paged& pg,
+                      float scale) {
+  constexpr int D = 16 * chunks;
+  constexpr int P = NR * (chunks + 4) <= 28 ? 4 : 2;  // divides D / 2 = 8 * chunks
+  const int64_t bs = pg.bs;
+  __m512 acc[NR][chunks];
+  float running_max[NR], running_sum[NR];
+  int64_t last = 0;
+  for (int r = 0; r < NR; r++) {
+    for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    running_sum[r] = 0;
+    last = std::max(last, rows[r].last);
+  }
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = 0; t0 <= last; t0 += 16) {
+    const BFloat16* keys = pg.block(k_cache, t0) + (t0 % bs) * 2;
+    const BFloat16* values = pg.block(v_cache, t0) + (t0 % bs) * D;
+    // Blocks sit anywhere in memory: fetch the next tile while on this one, a key line and a
+    // value line per key line read (a burst of requests at once would be mostly dropped).
+    const int64_t next = std::min(t0 + 16, last);
+    const char* next_keys = (const char*)(pg.block(k_cache, next) + (next % bs) * 2);
+    const char* next_values = (const char*)(pg.block(v_cache, next) + (next % bs) * D);
+    // P partial sums per row: a dot product's latency is several cycles, and one chain per row
+    // over D / 2 steps would leave the multiply units idle.
+    __m512 part[NR][P], s[NR];
+    for (int r = 0; r < NR; r++)
+      for (int p = 0; p < P; p++) part[r][p] = _mm512_setzero_ps();
+    for (int dp0 = 0; dp0 < D / 2; dp0 += P) {
+      for (int p = 0; p < P; p++) {
+        const int dp = dp0 + p;
+        _mm_prefetch(next_keys + dp * bs * 4, _MM_HINT_T0);
+        _mm_prefetch(next_values + dp * 64, _MM_HINT_T0);
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + dp * bs * 2);
+        for (int r = 0; r < NR; r++) part[r][p] = dot_broadcast(part[r][p], k, rows[r].q + 2 * dp);
+      }
+    }
+    for (int r = 0; r < NR; r++) {
+      s[r] = part[r][0];
+      for (int p = 1; p < P; p++) s[r] = _mm512_add_ps(s[r], part[r][p]);
+    }
+    alignas(64) uint16_t probs[NR][16];
+    for (int r = 0; r < NR; r++) {
+      const int64_t visible = std::clamp<int64_t>(rows[r].last - t0 + 1, 0, 16);
+      if (visible == 0) {  // this row's keys ended in an earlier tile
+        std::memset(probs[r], 0, sizeof(probs[r]));
+        continue;
+      }
+      const __mmask16 mask = tail_mask(visible);
+      const __m512 scores = _mm512_mask_blend_ps(mask, minus_inf, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
+      const float tile_max = _mm512_reduce_max_ps(scores);
+      if (tile_max > running_max[r]) {  // rescale what came before; past the first tiles, rarely
+        const float correction = std::exp(running_max[r] - tile_max);
+        running_sum[r] *= correction;
+        for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));
+        running_max[r] = tile_max;
+      }
+      const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(running_max[r]))));
+      running_sum[r] += _mm512_reduce_add_ps(p);
+      _mm256_store_si256((__m256i*)probs[r], (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    // Token pairs up to the last visible key of any row; a pair whose second token lies past
+    // it has that token's values zeroed, since the slot may never have been written.
+    const int64_t visible = std::min<int64_t>(last - t0 + 1, 16);
+    for (int64_t tp = 0; 2 * tp < visible; tp++) {
+      const bool half = 2 * tp + 1 >= visible;
+      for (int c = 0; c < chunks; c++) {
+        __m512i v = _mm512_loadu_si512(values + tp * D * 2 + c * 32);
+        if (half) v = _mm512_maskz_mov_epi16(0x55555555u, v);
+        for (int r = 0; r < NR; r++)
+          acc[r][c] = dot_broadcast(acc[r][c], (__m512bh)v, probs[r] + 2 * tp);
+      }
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    const __m512 inv = _mm512_set1_ps(1.0f / running_sum[r]);
+    for (int c = 0; c < chunks; c++)
+      _mm256_storeu_si256((__m256i*)(rows[r].out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+  }
+}
+
+// Rows per call: as many as registers allow (NR * (chunks + 1) accumulators); a decode's GQA
+// group (its query heads share every key and value) fits in one call.
+template <int chunks>
+constexpr int kRowsAtOnce = chunks <= 4 ? 4 : 2;
+
+template <int chunks, int... NRs>
+void attend_rows_bf16_groups(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
+                             const Paged& pg, float scale, std::integer_sequence<int, NRs...>) {
+  using Fn = void (*)(const Row<BFloat16>*, const BFloat16*, const BFloat16*, const Paged&, float);
+  constexpr Fn by_count[] = {&attend_rows_bf16<chunks, NRs + 1>...};
+  constexpr int R = sizeof...(NRs);
+  for (int i = 0; i < n; i += R) by_count[std::min(R, n - i) - 1](rows + i, k_cache, v_cache, pg, scale);
+}
+
+template <int chunks>
+void attend_rows_bf16_any(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
+                          const Paged& pg, float scale) {
+  attend_rows_bf16_groups<chunks>(rows, n, k_cache, v_cache, pg, scale,
+                                  std::make_integer_sequence<int, kRowsAtOnce<chunks>>{});
+}
+
+using AttendRowsFn = void (*)(const Row<BFloat16>*, int, const BFloat16*, const BFloat16*, const Paged&, float);
+// head_dim 16, 32, ..., 128 (index head_dim / 16 - 1); other sizes go the portable way.
+constexpr AttendRowsFn kAttendRows[8] = {
+    &attend_rows_bf16_any<1>, &attend_rows_bf16_any<2>, &attend_rows_bf16_any<3>, &attend_rows_bf16_any<4>,
+    &attend_rows_bf16_any<5>, &attend_rows_bf16_any<6>, &attend_rows_bf16_any<7>, &attend_rows_bf16_any<8>};
+#endif
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
+                     double scale) {
+  // q, out: [T, H, D] (each head's D contiguous); caches [KVH, blocks, bs * D]; sequence i owns
+  // query rows cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of which sits at position
+  // context_lens[i] - 1; block_tables [B, max_blocks] int32.
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtypes differ");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt, "cu_seqlens_q/context_lens/block_tables: int32");
+  TORCH_CHECK(block_tables.is_contiguous() && cu_seqlens_q.is_contiguous() && context_lens.is_contiguous(),
+              "metadata must be contiguous");
+  const int64_t B = context_lens.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), num_blocks = k_cache.size(1), bs = k_cache.size(2) / D, G = H / KVH;
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+
+  // Work items of up to 16 query rows, heaviest first, dealt out to threads in turn: causal
+  // rows late in a long prompt cost far more than early ones or than a short decode.
+  constexpr int64_t kRowsPerItem = 16;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t q_len = cu[b + 1] - cu[b], ctx = lens[b];
+    TORCH_CHECK(q_len >= 0 && ctx >= q_len && ctx <= max_blocks * bs, "sequence ", b, ": bad lengths");
+    for (int64_t r0 = 0; r0 < q_len; r0 += kRowsPerItem) {
+      const int64_t r1 = std::min(q_len, r0 + kRowsPerItem);
+      const double cost = double(r1 - r0) * double(ctx - q_len + (r0 + r1) / 2 + 16);
+      for (int64_t h = 0; h < KVH; h++) items.push_back({b, h, cu[b] + r0, cu[b] + r1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t n_items = int64_t(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
+
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const T* kc = k_cache.data_ptr<T>();
+    const T* vc = v_cache.data_ptr<T>();
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<Row<T>> rows;
+      std::vector<float> scratch;
+      for (int64_t worker = begin; worker < end; worker++) {
+        for (int64_t i = worker; i < n_items; i += threads) {
+          const Item& it = items[i];
+          const int64_t first_pos = lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]);
+          rows.clear();
+          for (int64_t row = it.row_begin; row < it.row_end; row++)
+            for (int64_t g = 0; g < G; g++) {
+              const int64_t head = it.head * G + g;
+              rows.push_back({q.data_ptr<T>() + row * q.stride(0) + head * q.stride(1),
+                              out.data_ptr<T>() + row * out.stride(0) + head * out.stride(1),
+                              first_pos + row - cu[it.seq]});
+            }
+          const Paged pg{tables + it.seq * max_blocks, bs, D, num_blocks, it.head};
+#ifdef NANOVLLM_BF16_KERNELS
+          if constexpr (std::is_same_v<T, BFloat16>) {
+            if (D % 16 == 0 && D <= 128 && bs % 16 == 0) {
+              kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, float(scale));
+              continue;
+            }
+          }
+#endif
+          attend_rows_generic<T>(rows.data(), int(rows.size()), kc, vc, pg, float(scale), scratch);
+        }
+      }
+    });
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(static_cast<BFloat16*>(nullptr));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention supports float32 and bfloat16");
+    run(static_cast<float*>(nullptr));
+  }
+}
+
+}  // namespace nanovllm_cpu

@@ -1,0 +1,38 @@
+// The ops the kernel files define, one file per op family; registration.cpp gives them their
+// torch schemas (namespace nanovllm_cpu).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace nanovllm_cpu {
+
+// linear.cpp
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
+                  const std::optional<at::Tensor>& bias, int64_t max_packed_rows,
+                  const std::optional<at::Tensor>& onednn);
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         int64_t out_features);
+at::Tensor onednn_pack(const at::Tensor& weight);
+void onednn_release(const at::Tensor& handle);
+
+// attention.cpp
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
+                     double scale);
+
+// sampling.cpp
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms);
+
+// elementwise.cpp
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+
+}  // namespace nanovllm_cpu

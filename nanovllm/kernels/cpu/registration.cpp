@@ -1,0 +1,38 @@
+// CPU kernels for the decode-heavy parts of a step, registered here as torch ops (namespace
+// nanovllm_cpu) and built on first use by nanovllm/kernels/cpu.py. One file per op family:
+// linear.cpp (the packed bf16 linear, oneDNN's packed weights), attention.cpp (the paged KV
+// cache: store_kv, paged_attention), sampling.cpp, elementwise.cpp (gated SiLU, RMSNorm); the
+// bf16 SIMD helpers they share are in simd_bf16.h.
+
+#include "ops.h"
+#include "simd_bf16.h"
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(nanovllm_cpu, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias, int max_packed_rows, Tensor? onednn) -> Tensor");
+  m.def("onednn_pack(Tensor weight) -> Tensor");
+  m.def("onednn_release(Tensor handle) -> ()");
+  m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
+        "Tensor context_lens, Tensor block_tables, float scale) -> ()");
+  m.def("sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("has_bf16_kernels() -> bool", [] { return nanovllm_cpu::kHasBf16Kernels; });
+}
+
+TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
+  m.impl("linear", &nanovllm_cpu::linear);
+  m.impl("onednn_pack", &nanovllm_cpu::onednn_pack);
+  m.impl("onednn_release", &nanovllm_cpu::onednn_release);
+  m.impl("linear_packed", &nanovllm_cpu::linear_packed);
+  m.impl("store_kv", &nanovllm_cpu::store_kv);
+  m.impl("paged_attention", &nanovllm_cpu::paged_attention);
+  m.impl("sample_rows", &nanovllm_cpu::sample_rows);
+  m.impl("silu_and_mul", &nanovllm_cpu::silu_and_mul);
+  m.impl("rms_norm", &nanovllm_cpu::rms_norm);
+  m.impl("add_rms_norm", &nanovllm_cpu::add_rms_norm);
+}
