@@ -5,12 +5,14 @@ alias), read its config, pick device and dtype, and settle the scheduler limits.
 Every problem is reported here, before any weight is loaded.
 """
 
-import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    from nanovllm.loader.checkpoint import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Share of available RAM that the CPU KV cache takes when neither kv_cache_memory_gb nor
@@ -46,7 +48,7 @@ class EngineConfig:
     seed: int = 0
     # Resolved in __post_init__.
     model_path: str = field(init=False)
-    is_gguf: bool = field(init=False)
+    checkpoint: "Checkpoint" = field(init=False)  # the format, decided once
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -72,29 +74,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
     def _resolve_model(self):
-        from nanovllm.loader.gguf import DEFAULT_MODEL_ALIAS, default_model_path, load_gguf_config
+        from nanovllm.loader.checkpoint import open_checkpoint
 
-        model = self.model
-        if model is None or model == DEFAULT_MODEL_ALIAS:
-            model = default_model_path()
-        model = os.path.expanduser(str(model))
-        if not os.path.exists(model):
-            raise FileNotFoundError(f"model not found: {model!r} (expected a Hugging Face model directory, "
-                                    f"a .gguf file, or the alias {DEFAULT_MODEL_ALIAS!r})")
-        self.model_path = model
-        self.is_gguf = os.path.isfile(model) and model.endswith(".gguf")
-        if self.is_gguf:
-            self.hf_config = load_gguf_config(model)
-            return
-        if not os.path.isdir(model):
-            raise ValueError(f"model {model!r} is neither a directory nor a .gguf file")
-        config_file = os.path.join(model, "config.json")
-        if not os.path.isfile(config_file):
-            raise ValueError(f"model directory {model!r} has no config.json")
-        try:
-            self.hf_config = AutoConfig.from_pretrained(model)
-        except (ValueError, OSError, TypeError, StrictDataclassError) as e:  # a wrongly typed value too
-            raise ValueError(f"model directory {model!r} has a malformed config.json: {_one_line(e)}") from e
+        self.checkpoint = open_checkpoint(self.model)
+        self.model_path = self.checkpoint.path
+        self.hf_config = self.checkpoint.config()
 
     def _resolve_device_and_dtype(self):
         if self.device == "auto":
@@ -113,10 +97,6 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("dtype='float16' is not supported on CPU; use 'bfloat16' or 'float32'")
         self.torch_dtype = DTYPES[self.dtype]
-
-
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split())
 
 
 def _check_int(name: str, value, minimum: int):

@@ -23,13 +23,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" (its step failed) or None while running
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

@@ -94,7 +94,7 @@ def test_compiled_layers_round_like_eager(engines):
     order, so the norm's fp32 scale can move in its last bits and an element in a few thousand
     round to the neighbouring bf16 value; what follows carries that on, below an ulp of the
     largest element."""
-    runner = engines["compiled"].llm_engine.model_runner
+    runner = engines["compiled"].llm_engine.executor
     prompt = engines["compiled"].get_tokenizer().encode("The quick brown fox jumps over the lazy dog. " * 3)
     n = len(prompt)
     blocks = torch.arange(-(-n // runner.block_size), dtype=torch.int32)
@@ -109,7 +109,7 @@ def test_compiled_layers_round_like_eager(engines):
         assert all(isinstance(group, LayerGroup) for group in model.layers)  # compiled groups
         if cpu_kernels.has_bf16_kernels():  # ... around the elementwise kernels, in both modes
             for engine in engines.values():
-                modules = list(engine.llm_engine.model_runner.model.modules())
+                modules = list(engine.llm_engine.executor.model.modules())
                 assert not any(type(m) in KERNEL_MODULES for m in modules)
                 assert any(type(m) in KERNEL_MODULES.values() for m in modules)
         for group in model.layers:

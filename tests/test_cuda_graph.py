@@ -91,7 +91,7 @@ def test_padded_lanes_write_nowhere_and_change_no_output(checkpoint, monkeypatch
     monkeypatch.setenv(BACKEND_ENV, "triton")
     llm = LLM(str(checkpoint), dtype="float32", device=DEVICE, num_kvcache_blocks=32, max_model_len=128,
               max_num_seqs=8)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor
     rng = random.Random(0)
     batch = first_decode_step(llm, [[rng.randrange(300) for _ in range(n)] for n in (5, 17, 40)])
     input_ids, positions, layout = runner._prepare(batch)
@@ -144,7 +144,7 @@ def test_decode_steps_through_the_graph_buffers_give_the_eager_tokens(checkpoint
     for graphs in (False, True):
         llm = LLM(str(checkpoint), dtype="float32", device="cpu", num_kvcache_blocks=32, max_model_len=64,
                   max_num_seqs=6)
-        runner = llm.llm_engine.model_runner
+        runner = llm.llm_engine.executor
         if graphs:
             runner.cuda_graphs = EagerReplay(runner.model, runner.backend, 6, 64, runner.block_size, runner.device)
             runner.cuda_graphs.capture()
@@ -163,7 +163,7 @@ def test_graph_replay_gives_the_eager_tokens(checkpoint):
     for enforce_eager in (True, False):
         llm = LLM(str(checkpoint), dtype="float32", device="cuda", num_kvcache_blocks=64, max_model_len=128,
                   max_num_seqs=13, enforce_eager=enforce_eager)
-        runner = llm.llm_engine.model_runner
+        runner = llm.llm_engine.executor
         assert (runner.cuda_graphs is None) == enforce_eager
         if not enforce_eager:
             assert sorted(runner.cuda_graphs.graphs) == [1, 2, 4, 8, 13]

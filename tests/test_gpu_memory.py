@@ -37,7 +37,7 @@ def test_budget_honours_utilization_and_the_step_peak():
 def test_warmup_forward_runs_and_unbinds_its_scratch_cache(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
     llm = LLM(str(path), dtype="float32", device="cpu", num_kvcache_blocks=32, max_num_batched_tokens=300)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor
     seen = []
     hook = runner.model.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
     run_warmup_step(runner.model, runner.attn_layers, runner.backend, runner.config, runner.device)
@@ -54,7 +54,7 @@ def test_cuda_cache_fills_the_utilization_share(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")
     free, total = torch.cuda.mem_get_info()
     llm = LLM(str(path), device="cuda", gpu_memory_utilization=0.5, enforce_eager=True)
-    runner = llm.llm_engine.model_runner
+    runner = llm.llm_engine.executor
     cache_bytes = runner.num_kvcache_blocks * runner.kv_bytes_per_block
     in_use_before = total - free
     # The cache takes what half the device leaves, less weights and the step peak (small here).

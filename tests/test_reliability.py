@@ -83,7 +83,7 @@ def test_a_failing_step_ends_only_its_requests(llm, monkeypatch):
     step's requests finish with "error" and free their blocks, and the engine serves the next
     step (where the poisoned id would otherwise have been embedded)."""
     engine = llm.llm_engine
-    model = engine.model_runner.model
+    model = engine.executor.model
     compute_logits = model.compute_logits
     calls = []
 
@@ -107,7 +107,7 @@ def test_a_step_error_fails_the_whole_request_and_spares_others(llm, monkeypatch
     engine = llm.llm_engine
     engine.add_request("long", [9, 9, 9], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     engine.step()  # "long" is decoding
-    sampler = engine.model_runner.sampler
+    sampler = engine.executor.sampler
     forward = sampler.forward
 
     def fail_with_newcomer(logits, batch, generator):
@@ -129,7 +129,7 @@ def test_a_device_error_stops_the_engine(llm, monkeypatch):
     def device_fault(batch):
         raise torch.AcceleratorError("an illegal memory access")
 
-    monkeypatch.setattr(engine.model_runner, "execute", device_fault)
+    monkeypatch.setattr(engine.executor, "execute", device_fault)
     engine.add_request("r", [1, 2, 3], GREEDY)
     with pytest.raises(torch.AcceleratorError):
         engine.step()

@@ -11,22 +11,26 @@ from transformers import AutoModelForCausalLM
 from conftest import make_tiny_checkpoint, make_tiny_tokenizer
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler, SamplingBatch
+from nanovllm.engine.sampler import Sampler, SamplingBatch
+from nanovllm.engine.stop import StopChecker
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 EOS = 99
 
 
+def sampling_batch(params: list[SamplingParams], vocab_size: int, prompt=(0,), output_tokens=(),
+                   generators=None) -> SamplingBatch:
+    """Rows sharing one prompt and output, each banning what its stop checker (EOS = EOS) bans."""
+    tokens, n = list(prompt) + list(output_tokens), len(params)
+    banned = [StopChecker(p, eos_token_ids={EOS}).banned_token_ids(len(output_tokens)) for p in params]
+    return SamplingBatch.build(params, [tokens] * n, [len(prompt)] * n, banned, generators or [None] * n,
+                               vocab_size, "cpu")
+
+
 def draw(params: SamplingParams, rows=4000, logits=None, seed=0, output_tokens=()):
     """Sample `rows` times from the same logits with the given params; returns token ids."""
     logits = PROBS.log() if logits is None else logits
-    seqs = []
-    for _ in range(rows):
-        seq = Sequence([0], params)
-        seq.token_ids += list(output_tokens)
-        seqs.append(seq)
-    batch = SamplingBatch.build(seqs, logits.numel(), {EOS}, "cpu")
+    batch = sampling_batch([params] * rows, logits.numel(), output_tokens=output_tokens)
     out = Sampler()(logits.expand(rows, -1).clone(), batch, torch.Generator().manual_seed(seed))
     return torch.tensor(out.token_ids)
 
@@ -73,9 +77,8 @@ def test_top_k_then_top_p():
 
 def test_penalties_change_logits_exactly_as_defined():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
-    seq = Sequence([0, 4], SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25))
-    seq.token_ids += [2, 2, 1]  # output: token 2 twice, token 1 once
-    batch = SamplingBatch.build([seq], 5, {EOS}, "cpu")
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    batch = sampling_batch([params], 5, prompt=[0, 4], output_tokens=[2, 2, 1])  # token 2 twice, token 1 once
     got = Sampler._penalize(logits, batch)
     # Repetition on prompt tokens {0, 4} and output tokens {1, 2}: positive / 2, negative * 2.
     # Then frequency (0.25 per occurrence) and presence (0.5 once) on output tokens only.
@@ -86,8 +89,8 @@ def test_penalties_change_logits_exactly_as_defined():
 
 def test_greedy_and_sampled_rows_share_a_batch():
     logits = torch.tensor([[0.0, 5.0, 0.0], [1.0, 1.0, 1.0]]).repeat(200, 1)
-    seqs = [Sequence([0], SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0)) for i in range(400)]
-    out = Sampler()(logits, SamplingBatch.build(seqs, 3, {EOS}, "cpu"), torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(400)]
+    out = Sampler()(logits, sampling_batch(params, 3), torch.Generator().manual_seed(0))
     assert set(out.token_ids[0::2]) == {1}
     assert set(out.token_ids[1::2]) == {0, 1, 2}
 
@@ -110,8 +113,9 @@ def test_seeded_rows_ignore_batch_composition():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
 
     def tokens_for(seeds, engine_seed):
-        seqs = [Sequence([0], SamplingParams(temperature=1.0, seed=s)) for s in seeds]
-        batch = SamplingBatch.build(seqs, 50, {EOS}, "cpu")
+        # A seeded row draws from its own generator, as a seeded sequence does.
+        generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        batch = sampling_batch([SamplingParams(temperature=1.0, seed=s) for s in seeds], 50, generators=generators)
         return Sampler()(logits.expand(len(seeds), -1).clone(), batch,
                          torch.Generator().manual_seed(engine_seed)).token_ids
 

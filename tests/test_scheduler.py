@@ -6,19 +6,24 @@ import random
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.stop import StopChecker
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, max_num_seqs=8, budget=32, max_model_len=256, prefix_caching=True):
+def make_scheduler(num_blocks=64, max_num_seqs=8, budget=32, prefix_caching=True):
     bm = BlockManager(num_blocks, BS, prefix_caching)
-    return Scheduler(bm, max_num_seqs, budget, max_model_len, {EOS})
+    return Scheduler(bm, max_num_seqs, budget)
+
+
+def seq_of(tokens: list[int], params: SamplingParams) -> Sequence:
+    return Sequence(tokens, params, StopChecker(params, max_model_len=256, eos_token_ids={EOS}))
 
 
 def make_seq(n, max_tokens=8, start=1, ignore_eos=True):
-    return Sequence(list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+    return seq_of(list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
 
 
 def run_step(sched, token=lambda seq: 7):
@@ -106,7 +111,7 @@ def test_randomized_run_keeps_invariants():
     seqs = []
     for _ in range(30):
         tokens = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
-        seq = Sequence(tokens, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.5))
+        seq = seq_of(tokens, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=rng.random() < 0.5))
         seqs.append(seq)
         sched.add(seq)
     steps = 0
@@ -129,7 +134,7 @@ def test_prefix_hits_are_counted_once_when_admission_waits_for_blocks():
     hog = make_seq(8, max_tokens=4, start=100)
     sched.add(hog)
     run_step(sched)
-    again = Sequence(first.token_ids[:8] + list(range(60, 68)), SamplingParams(max_tokens=1, ignore_eos=True))
+    again = seq_of(first.token_ids[:8] + list(range(60, 68)), SamplingParams(max_tokens=1, ignore_eos=True))
     sched.add(again)
     steps_waited = 0
     while again.status == SequenceStatus.WAITING:  # the hit plus two new blocks do not fit beside hog
@@ -142,7 +147,7 @@ def test_prefix_hits_are_counted_once_when_admission_waits_for_blocks():
 def test_later_streams_join_in_the_step_that_completes_the_first_prompt():
     from nanovllm.engine.sequence import Request
     sched = make_scheduler(budget=16)
-    request = Request("n4", None, list(range(1, 39)), SamplingParams(n=4, max_tokens=2, ignore_eos=True), 2)
+    request = Request("n4", None, list(range(1, 39)), SamplingParams(n=4, max_tokens=2, ignore_eos=True))
     for seq in request.seqs:
         sched.add(seq)
     short = make_seq(3, max_tokens=2, start=80)
@@ -171,7 +176,7 @@ def test_every_published_hash_is_its_blocks_whole_chain():
     sched = make_scheduler(budget=64)
     prompt = list(range(1, 11))  # two full blocks and a partial one
     sched.add(make_seq(10, max_tokens=8))
-    for seq in Request("n2", None, prompt, SamplingParams(n=2, max_tokens=8, ignore_eos=True), 8).seqs:
+    for seq in Request("n2", None, prompt, SamplingParams(n=2, max_tokens=8, ignore_eos=True)).seqs:
         sched.add(seq)
     while sched.has_unfinished():
         run_step(sched, token=lambda seq: 20 + seq.num_tokens)

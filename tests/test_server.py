@@ -448,7 +448,7 @@ def test_sigterm_finishes_streams_and_exits_cleanly(servers):
 FAULTY_SERVER = """
 import sys, torch
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.layers.sampler import Sampler
+from nanovllm.engine.sampler import Sampler
 mode = sys.argv.pop(1)
 if mode == "step":
     forward = Sampler.forward

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from conftest import make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams
-from nanovllm.distributed.step import StepReceiver, StepSender
+from nanovllm.engine.step_messages import StepReceiver, StepSender
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 
@@ -98,7 +98,7 @@ def test_tp2_matches_tp1_with_prefix_caching_and_preemption(case, tmp_path):
         expected = run_workload(reference)
     with hang_guard(180):
         llm = LLM(path, tensor_parallel_size=2, **ENGINE)
-        workers = llm.llm_engine.model_runner.workers.procs
+        workers = llm.llm_engine.executor.workers.procs
         assert run_workload(llm) == expected
         metrics = llm.get_metrics()
         assert metrics == reference.get_metrics()  # the same schedule, step for step
@@ -196,7 +196,7 @@ def test_killed_worker_raises_a_clear_error(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with hang_guard(120):
         llm = LLM(path, tensor_parallel_size=2, dtype="float32", num_kvcache_blocks=64)
-        worker = llm.llm_engine.model_runner.workers.procs[0]
+        worker = llm.llm_engine.executor.workers.procs[0]
         llm.generate([[1, 2, 3]], params, use_tqdm=False)
         threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
         start = time.monotonic()
@@ -222,7 +222,7 @@ import sys
 from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], dtype="float32", num_kvcache_blocks=64, tensor_parallel_size=2)
-    print(llm.llm_engine.model_runner.workers.procs[0].pid, flush=True)
+    print(llm.llm_engine.executor.workers.procs[0].pid, flush=True)
     while True:
         llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
 """

@@ -60,7 +60,10 @@ class AttentionBackend(ABC):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object, scale: float) -> torch.Tensor:
         """Write the new k/v into the cache, then attend.
 
-        q: [T, H, D], k/v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D].
+        q: [T, H, D], k/v: [T, KVH, D]; caches: one layer's, in this backend's `kv_cache_shape`.
+        Returns [T, H, D]. Every new k/v of the step is in the cache before any query reads it:
+        the scheduler lets a sequence attend to blocks another writes in the same step (the
+        later streams of an n > 1 request).
         """
 
 

@@ -14,7 +14,7 @@ import runpy
 import sys
 
 from nanovllm.distributed.rendezvous import launch_env, open_store
-from nanovllm.distributed.worker import exit_now, serve
+from nanovllm.engine.tp_worker import exit_now, serve
 
 
 def main(argv: list[str]) -> None:

@@ -18,9 +18,9 @@ from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
+from nanovllm.engine.sampler import PromptLogprobs, Sampler, SamplerOutput, SamplingBatch, token_logprobs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingBatch, top_logprobs
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.platforms import get_platform
@@ -50,7 +50,6 @@ class ModelRunner:
             self.cuda_graphs.capture()
         self.compile_seconds = self.platform.compile(self.model, self._warmup)
         self.sampler = Sampler()
-        self.eos_token_ids: set[int] = set()  # set by the engine; min_tokens holds these back
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
     def _load_model(self) -> torch.nn.Module:
@@ -63,13 +62,7 @@ class ModelRunner:
                 model = model_cls(config.hf_config, self.tp_group)
         finally:
             torch.set_default_dtype(default_dtype)
-        if config.is_gguf:
-            from nanovllm.loader.gguf import iter_gguf_weights
-            weights = iter_gguf_weights(config.model_path, config.torch_dtype)
-        else:
-            from nanovllm.loader.safetensors import iter_safetensors
-            weights = iter_safetensors(config.model_path)
-        load_weights(model, weights)
+        load_weights(model, config.checkpoint.weights(config.torch_dtype))
         for module in model.modules():
             if hasattr(module, "linear_method"):
                 module.linear_method.process_weights_after_loading(module)
@@ -186,11 +179,11 @@ class ModelRunner:
                 first = seq.num_computed_tokens + 1
                 count = min(n, seq.num_prompt_tokens - first)
                 if count > 0:
-                    prompt_spans.append((seq, first, start, count))
+                    prompt_spans.append((i, seq, first, start, count))
             if batch.samples(i):
                 sample_rows.append(end - 1)
                 sample_seqs.append(seq)
-        rows = [r for _, _, start, count in prompt_spans for r in range(start, start + count)] + sample_rows
+        rows = [r for *_, start, count in prompt_spans for r in range(start, start + count)] + sample_rows
         if not rows:
             return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
@@ -199,23 +192,23 @@ class ModelRunner:
         num_prompt_rows = len(rows) - len(sample_rows)
         out = SamplerOutput([], [])
         if sample_seqs:
-            sampling = SamplingBatch.build(sample_seqs, logits.shape[1], self.eos_token_ids, logits.device)
+            sampling = SamplingBatch.build(
+                [seq.sampling_params for seq in sample_seqs], [seq.token_ids for seq in sample_seqs],
+                [seq.num_prompt_tokens for seq in sample_seqs],
+                [seq.stop_checker.banned_token_ids(seq.num_completion_tokens) for seq in sample_seqs],
+                [seq.generator for seq in sample_seqs], logits.shape[1], logits.device)
             out = self.sampler(logits[num_prompt_rows:], sampling, self.generator)
         out.prompt_logprobs = self._prompt_logprobs(prompt_spans, logits[:num_prompt_rows])
         return out
 
     @staticmethod
-    def _prompt_logprobs(spans, logits: torch.Tensor) -> list:
-        """(seq, first position, [(logprob, rank, top pairs)] per position) for each span."""
+    def _prompt_logprobs(spans, logits: torch.Tensor) -> list[PromptLogprobs]:
+        """The logprobs of each span's prompt tokens; `logits` holds the spans' rows in order."""
         result, offset = [], 0
-        for seq, first, _, count in spans:
+        for i, seq, first, _, count in spans:
             logprobs = torch.log_softmax(logits[offset:offset + count].float(), dim=-1)
             offset += count
             targets = torch.tensor(seq.token_ids[first:first + count], device=logits.device)
-            num = seq.sampling_params.prompt_logprobs
-            chosen, ranks, top = top_logprobs(logprobs, targets, num)
-            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top else ([[]] * count, [[]] * count)
-            entries = [(lp, rank, list(zip(ids, lps)))
-                       for lp, rank, ids, lps in zip(chosen.tolist(), ranks.tolist(), top_ids, top_lps)]
-            result.append((seq, first, entries))
+            nums = [seq.sampling_params.prompt_logprobs] * count
+            result.append(PromptLogprobs(i, first, token_logprobs(logprobs, targets, nums)))
         return result

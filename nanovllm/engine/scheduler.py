@@ -3,8 +3,8 @@
 One token budget (`max_num_batched_tokens`) per step is shared by running sequences
 first (a decode is one token; an unfinished prompt continues with a chunk) and then by
 waiting prompts, chunked to fit, so a long prompt never stalls running sequences. When
-blocks run out, the newest running sequence is preempted by recompute. Pure Python:
-no tensors here.
+blocks run out, the newest running sequence is preempted by recompute. Whether a sequence
+ends is its stop checker's call; the scheduler frees what ended. Pure Python: no tensors here.
 """
 
 from collections import deque
@@ -35,13 +35,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int]):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first: preemption takes from the end
         self.num_preemptions = 0
@@ -136,13 +133,13 @@ class Scheduler:
             token = next(tokens)
             seq.token_ids.append(token)
             advanced.append(seq)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, *reason)
+            stop = seq.stop_checker.check(token, seq.num_completion_tokens, seq.num_tokens)
+            if stop is not None:
+                self.finish(seq, *stop)
         return advanced
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End seq (also for stop strings found by the engine, and aborts) and free its blocks."""
+        """End seq (as its stop checker decided, or on an abort or a failed step) and free its blocks."""
         if seq.is_finished:
             return
         if seq.status == SequenceStatus.RUNNING:
@@ -152,14 +149,3 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free(seq)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
-        params = seq.sampling_params
-        if seq.num_completion_tokens >= params.min_tokens:  # earlier stop ids were masked out anyway
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-        if seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None

@@ -1,12 +1,13 @@
 """A request and its generation streams (sequences): tokens, how far each stream's KV is
-computed, its block table, and what has been produced for the caller so far."""
+computed, its block table, its stop checker, and what has been produced for the caller so far."""
 
-import time
+from collections.abc import Callable
 from enum import Enum, auto
 from itertools import count
 
 import torch
 
+from nanovllm.engine.stop import StopChecker
 from nanovllm.outputs import PositionLogprobs
 from nanovllm.sampling_params import SamplingParams
 
@@ -20,13 +21,14 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, max_tokens: int | None = None,
-                 index: int = 0, parent: "Sequence | None" = None):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams,
+                 stop_checker: StopChecker | None = None, index: int = 0, parent: "Sequence | None" = None):
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        # Decides when this sequence ends (by default from its params alone: no EOS, no text).
+        self.stop_checker = stop_checker or StopChecker(sampling_params)
         # The n completions of one request: index i > 0 forks the prompt blocks of index 0.
         self.index = index
         self.parent = parent
@@ -84,14 +86,15 @@ class Request:
     """One prompt submitted by a caller and its `n` sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, max_tokens: int):
+                 sampling_params: SamplingParams, make_stop_checker: Callable[[], StopChecker] | None = None):
+        """`make_stop_checker` gives each sequence its own checker (a detokenizer follows one stream)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
-        self.arrival_time = time.monotonic()
-        first = Sequence(prompt_token_ids, sampling_params, max_tokens)
-        self.seqs = [first] + [Sequence(prompt_token_ids, sampling_params, max_tokens, index=i, parent=first)
+        make = make_stop_checker or (lambda: StopChecker(sampling_params))
+        first = Sequence(prompt_token_ids, sampling_params, make())
+        self.seqs = [first] + [Sequence(prompt_token_ids, sampling_params, make(), index=i, parent=first)
                                for i in range(1, sampling_params.n)]
         for seq in self.seqs:
             seq.request_id = request_id

@@ -90,7 +90,7 @@ class NanoRunner:
         start = time.perf_counter()
         self.llm = LLM(**llm_kwargs)
         self.startup_s = time.perf_counter() - start
-        runner = self.llm.llm_engine.model_runner
+        runner = self.llm.llm_engine.executor
         self.compile_s = runner.compile_seconds
         self.dtype = str(self.llm.llm_engine.config.torch_dtype).removeprefix("torch.")
 
@@ -135,12 +135,12 @@ def load_transformers_model(model: str | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     from nanovllm.config import EngineConfig
+    from nanovllm.loader.checkpoint import GGUFCheckpoint
     config = EngineConfig(model=model, device="cpu", dtype="float32")  # resolves the path and HF config
-    if not config.is_gguf:
+    if not isinstance(config.checkpoint, GGUFCheckpoint):
         return AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).eval()
-    from nanovllm.loader.gguf import iter_gguf_weights
     hf = AutoModelForCausalLM.from_config(config.hf_config, dtype=dtype)
-    missing, unexpected = hf.load_state_dict(dict(iter_gguf_weights(config.model_path, dtype)), strict=False)
+    missing, unexpected = hf.load_state_dict(dict(config.checkpoint.weights(dtype)), strict=False)
     tied = config.hf_config.tie_word_embeddings
     if unexpected or [m for m in missing if not (tied and m == "lm_head.weight")]:
         raise ValueError(f"GGUF weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")

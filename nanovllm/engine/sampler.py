@@ -2,14 +2,18 @@
 in one vectorised pass (no per-request loop over the vocabulary).
 
 Order, as in vLLM: logprobs of the raw logits; penalties (repetition on prompt and output
-tokens, presence and frequency on output tokens); min_tokens masking of stop ids; greedy
-rows take the argmax; the others are scaled by temperature, filtered by min-p, top-k and
-top-p, and drawn by inverse transform sampling: one uniform number per row, looked up in the
-row's cumulative probabilities. (The Gumbel-max trick needs a random number per vocabulary
-entry: 38 ms a step for 40 rows of SmolLM2's 49k vocabulary on two CPU cores, against 1 ms.)
+tokens, presence and frequency on output tokens); masking of each row's banned ids (what its
+stop checker holds back until min_tokens); greedy rows take the argmax; the others are scaled
+by temperature, filtered by min-p, top-k and top-p, and drawn by inverse transform sampling:
+one uniform number per row, looked up in the row's cumulative probabilities (the Gumbel-max
+trick would need a random number per vocabulary entry, many times slower on CPU).
 On CPU, rows with no top-k, top-p or min-p filter are drawn by a compiled kernel that does
 the same without [rows, vocab] temporaries. Seeded rows draw from their own generator, so their
 tokens do not depend on the batch.
+
+The sampler sees rows, not sequences: the model runner hands it each row's settings and
+tokens. Logprobs leave it as `TokenLogprobs`, the record the engine turns into the public
+`PositionLogprobs` (prompt spans, computed by the runner, as `PromptLogprobs`).
 """
 
 from dataclasses import dataclass, field
@@ -17,13 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling tensors for the sequences that sample this step."""
+    """Per-row sampling tensors for the rows that sample this step."""
 
     temperatures: torch.Tensor  # [n] fp32, 0 = greedy
     top_k: torch.Tensor | None  # [n] int64, vocab size = off
@@ -34,13 +38,16 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None
     prompt_mask: torch.Tensor | None  # [n, vocab] bool: token occurs in the prompt
     output_counts: torch.Tensor | None  # [n, vocab] fp32: occurrences in the output
-    banned: list[tuple[int, list[int]]]  # (row, ids) masked until min_tokens are out
+    banned: list[tuple[int, list[int]]]  # (row, ids) for the rows that must not draw some ids
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]
 
     @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int], device) -> "SamplingBatch":
-        params = [seq.sampling_params for seq in seqs]
+    def build(cls, params: list[SamplingParams], token_ids: list[list[int]], num_prompt_tokens: list[int],
+              banned_token_ids: list[list[int]], generators: list[torch.Generator | None], vocab_size: int,
+              device) -> "SamplingBatch":
+        """One entry per row in each list: its settings, all its tokens (the first num_prompt_tokens
+        are the prompt), the ids it must not draw, and its own random stream if seeded."""
 
         def column(name, dtype, default):
             values = [getattr(p, name) for p in params]
@@ -56,19 +63,18 @@ class SamplingBatch:
         frequency = column("frequency_penalty", torch.float32, 0.0)
         prompt_mask = output_counts = None
         if repetition is not None:
-            prompt_mask = _token_counts([s.token_ids[:s.num_prompt_tokens] for s in seqs], vocab_size, device) > 0
+            prompts = [tokens[:n] for tokens, n in zip(token_ids, num_prompt_tokens)]
+            prompt_mask = _token_counts(prompts, vocab_size, device) > 0
         if repetition is not None or presence is not None or frequency is not None:
-            output_counts = _token_counts([s.completion_token_ids for s in seqs], vocab_size, device)
-        banned = []
-        for row, (seq, p) in enumerate(zip(seqs, params)):
-            if seq.num_completion_tokens < p.min_tokens:
-                banned.append((row, sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids))))
+            outputs = [tokens[n:] for tokens, n in zip(token_ids, num_prompt_tokens)]
+            output_counts = _token_counts(outputs, vocab_size, device)
         return cls(
             temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=top_k, top_p=column("top_p", torch.float32, 1.0), min_p=column("min_p", torch.float32, 0.0),
             repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
-            prompt_mask=prompt_mask, output_counts=output_counts, banned=banned,
-            generators=[seq.generator for seq in seqs], num_logprobs=[p.logprobs for p in params],
+            prompt_mask=prompt_mask, output_counts=output_counts,
+            banned=[(row, ids) for row, ids in enumerate(banned_token_ids) if ids],
+            generators=generators, num_logprobs=[p.logprobs for p in params],
         )
 
 
@@ -85,28 +91,51 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torc
 
 
 @dataclass
+class TokenLogprobs:
+    """One position's logprobs: the chosen (sampled or prompt) token's, and the top-N."""
+
+    chosen_logprob: float
+    rank: int  # of the chosen token; 1 = the most likely
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of the prompt positions one step computed for one sequence."""
+
+    batch_index: int  # the sequence's index in the step's batch
+    first_position: int  # logprobs[i] is of the prompt token at first_position + i
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    # Per row: (logprob of the chosen token, its rank, top-N (id, logprob) pairs), or None.
-    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
-    # (sequence, first position, entries as above) for sequences that asked for prompt logprobs.
-    prompt_logprobs: list = field(default_factory=list)
+    token_ids: list[int]  # one per sampling row
+    logprobs: list[TokenLogprobs | None]  # per row; None where the row asked for none
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num: int):
-    """For each row: the chosen token's logprob and rank, and the `num` most likely tokens."""
+def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:
+    """For each row of `logprobs`: the chosen token's logprob and rank, and the row's
+    `nums[row]` most likely tokens."""
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(1) + 1
-    top = logprobs.topk(num, dim=-1) if num else None
-    return chosen_lp, ranks, top
+    most = max(nums, default=0)
+    if most:
+        top = logprobs.topk(most, dim=-1)
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_lps = [[]] * len(nums)
+    return [TokenLogprobs(lp, rank, list(zip(ids[:num], lps[:num])))
+            for lp, rank, ids, lps, num in zip(chosen_lp.tolist(), ranks.tolist(), top_ids, top_lps, nums)]
 
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
         """logits: [n, vocab] raw model output; `generator` serves rows without their own seed."""
         logits = logits.float()
-        wanted = [n for n in batch.num_logprobs if n is not None]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
+        wants_logprobs = any(n is not None for n in batch.num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = self._penalize(logits, batch)
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
@@ -122,16 +151,11 @@ class Sampler(nn.Module):
         outside = [row for row, t in enumerate(token_ids) if not 0 <= t < vocab_size]
         if outside:  # NaN logits: fail this step rather than the next one that would embed the id
             raise RuntimeError(f"sampling rows {outside} drew no token of the vocabulary (NaN logits?)")
-        out = SamplerOutput(token_ids, [None] * len(tokens))
-        if wanted:
-            chosen_lp, ranks, top = top_logprobs(raw_logprobs, tokens, max(wanted))
-            chosen_lp, ranks = chosen_lp.tolist(), ranks.tolist()
-            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top else (None, None)
-            for row, num in enumerate(batch.num_logprobs):
-                if num is not None:
-                    pairs = list(zip(top_ids[row][:num], top_lps[row][:num])) if num else []
-                    out.logprobs[row] = (chosen_lp[row], ranks[row], pairs)
-        return out
+        if not wants_logprobs:
+            return SamplerOutput(token_ids, [None] * len(token_ids))
+        entries = token_logprobs(raw_logprobs, tokens, [num or 0 for num in batch.num_logprobs])
+        return SamplerOutput(token_ids, [entry if num is not None else None
+                                         for entry, num in zip(entries, batch.num_logprobs)])
 
     @staticmethod
     def _penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

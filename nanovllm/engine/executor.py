@@ -1,10 +1,11 @@
-"""Rank 0's side of tensor parallelism: start (or wait for) the other ranks, send them the
-config, broadcast each step before running it, turn a dead worker into a clear error, and
-stop them all on shutdown, garbage collection, interpreter exit or failure.
+"""Rank 0's side of tensor parallelism, around its model runner: start (or wait for) the other
+ranks, send them the config, broadcast each step before running it, turn a dead worker into a
+clear error, and stop them all on shutdown, garbage collection, interpreter exit or failure.
 
 Rank 0 is the user's process: it owns the scheduler and is the only rank that samples.
 Without torchrun-style variables it spawns the other ranks on this machine; with them
-(RANK=0 among WORLD_SIZE ranks) it waits for ranks started elsewhere (see __main__.py).
+(RANK=0 among WORLD_SIZE ranks) it waits for ranks started elsewhere (see
+nanovllm/distributed/__main__.py).
 """
 
 import multiprocessing.connection
@@ -20,11 +21,11 @@ import torch.multiprocessing as mp
 from nanovllm.config import EngineConfig
 from nanovllm.distributed.parallel_state import init_cpu_group, make_tp_group
 from nanovllm.distributed.rendezvous import JOINED_KEY, RENDEZVOUS_TIMEOUT, launch_env, open_store
-from nanovllm.distributed.step import StepSender, broadcast
-from nanovllm.distributed.worker import run_spawned
+from nanovllm.engine.step_messages import StepSender, broadcast
+from nanovllm.engine.tp_worker import run_spawned
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.engine.sampler import SamplerOutput
 
 # A peer's closed connection can reach rank 0 a moment before the peer's exit does.
 DEATH_GRACE_S = 2.0
@@ -38,8 +39,9 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot run another step."""
 
 
-def make_executor(config: EngineConfig) -> ModelRunner:
-    """The model runner the engine drives: a plain one for tp=1, a TPExecutor otherwise."""
+def make_executor(config: EngineConfig) -> "ModelRunner | TPExecutor":
+    """What the engine drives: the model runner itself for tp=1, a TPExecutor around it otherwise.
+    Both offer `execute`, `survives` and `num_kvcache_blocks`."""
     return ModelRunner(config) if config.tensor_parallel_size == 1 else TPExecutor(config)
 
 
@@ -110,8 +112,9 @@ class Workers:
             torch.set_num_threads(self.rank0_num_threads)
 
 
-class TPExecutor(ModelRunner):
-    """Rank 0's model runner under tensor parallelism: it also drives the other ranks."""
+class TPExecutor:
+    """Rank 0 under tensor parallelism: its own model runner (`runner`), and the other ranks,
+    which it sends each step before running it."""
 
     def __init__(self, config: EngineConfig):
         world_size = config.tensor_parallel_size
@@ -149,7 +152,7 @@ class TPExecutor(ModelRunner):
             broadcast(config)
             if config.device == "cuda":
                 torch.cuda.set_device(local_rank)
-            super().__init__(config, make_tp_group(torch.device(config.device)))
+            self.runner = ModelRunner(config, make_tp_group(torch.device(config.device)))
         except BaseException as e:
             self._fail(e)
         self.steps = StepSender()
@@ -164,11 +167,15 @@ class TPExecutor(ModelRunner):
         try:
             self.workers.check_alive()
             broadcast(self.steps.encode(batch))
-            out = super().execute(batch)
+            out = self.runner.execute(batch)
         except BaseException as e:
             self._fail(e)
         self.workers.idle = True
         return out
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.runner.num_kvcache_blocks  # agreed by all ranks
 
     def survives(self, error: Exception) -> bool:
         """Never: a failed step has stopped every rank (see _fail)."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from nanovllm.distributed.parallel_state import init_cpu_group, make_tp_group
 from nanovllm.distributed.rendezvous import JOINED_KEY, open_store
-from nanovllm.distributed.step import StepReceiver, receive
+from nanovllm.engine.step_messages import StepReceiver, receive
 from nanovllm.engine.model_runner import ModelRunner
 
 

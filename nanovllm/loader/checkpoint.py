@@ -1,0 +1,110 @@
+"""The one entry to a checkpoint: `open_checkpoint` decides its format once (a Hugging Face model
+directory, a .gguf file, or the default model's alias) and returns an object that gives its
+config, tokenizer, EOS ids and weights. Every problem is reported as a ValueError (or
+FileNotFoundError) naming the file and what is wrong.
+
+The objects are plain records of a path, so they travel to tensor-parallel workers with the
+engine config.
+"""
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from nanovllm.loader import gguf
+from nanovllm.loader.safetensors import iter_safetensors
+
+# Files that hold a vocabulary; without one, transformers builds an empty tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """A model directory: config.json, *.safetensors, tokenizer files."""
+
+    path: str
+
+    def config(self) -> PretrainedConfig:
+        if not os.path.isfile(os.path.join(self.path, "config.json")):
+            raise ValueError(f"model directory {self.path!r} has no config.json")
+        try:
+            return AutoConfig.from_pretrained(self.path)
+        except (ValueError, OSError, TypeError, StrictDataclassError) as e:  # a wrongly typed value too
+            raise ValueError(f"model directory {self.path!r} has a malformed config.json: {_one_line(e)}") from e
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if not any(os.path.isfile(os.path.join(self.path, name)) for name in TOKENIZER_FILES):
+            raise ValueError(f"model directory {self.path!r} has no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); copy the tokenizer files of the model into it")
+        try:
+            return AutoTokenizer.from_pretrained(self.path)
+        except (ValueError, OSError, TypeError, KeyError) as e:  # a corrupt tokenizer.json, a bad tokenizer_config
+            files = sorted(n for n in os.listdir(self.path) if n.startswith(("tokenizer", "vocab", "special")))
+            raise ValueError(f"model directory {self.path!r} has a tokenizer that cannot be loaded (from "
+                             f"{', '.join(files)}): {type(e).__name__}: {_one_line(e)}") from e
+
+    def eos_token_ids(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+        """Every EOS id the model declares: config, generation_config.json and tokenizer."""
+        ids = set(_as_list(getattr(config, "eos_token_id", None)))
+        gen_file = os.path.join(self.path, "generation_config.json")
+        if os.path.isfile(gen_file):
+            with open(gen_file) as f:
+                ids.update(_as_list(json.load(f).get("eos_token_id")))
+        ids.update(_as_list(tokenizer.eos_token_id))
+        return ids
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) in the file's dtype; the weight loaders convert."""
+        return iter_safetensors(self.path)
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A .gguf file: metadata, tensors and the tokenizer in one file."""
+
+    path: str
+
+    def config(self) -> PretrainedConfig:
+        return gguf.load_gguf_config(self.path)
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return gguf.load_gguf_tokenizer(self.path)
+
+    def eos_token_ids(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+        return set(gguf.gguf_eos_token_ids(self.path, tokenizer))
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        return gguf.iter_gguf_weights(self.path, dtype)
+
+
+Checkpoint = HFCheckpoint | GGUFCheckpoint
+
+
+def open_checkpoint(model: str | None) -> Checkpoint:
+    """`model`: a model directory, a .gguf file, or None / the alias for the default model."""
+    if model is None or model == gguf.DEFAULT_MODEL_ALIAS:
+        model = gguf.default_model_path()
+    path = os.path.expanduser(str(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model not found: {path!r} (expected a Hugging Face model directory, "
+                                f"a .gguf file, or the alias {gguf.DEFAULT_MODEL_ALIAS!r})")
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return GGUFCheckpoint(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"model {path!r} is neither a directory nor a .gguf file")
+    return HFCheckpoint(path)
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

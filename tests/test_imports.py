@@ -1,0 +1,61 @@
+"""Imports point down (docs/ARCHITECTURE.md): no cycle between nanovllm's subpackages and
+top-level modules, and the model side (layers, models, attention) imports nothing from the
+engine or the entry points. Read from the source, function-level imports included; a package's
+`__main__.py` is a command, which nothing imports, and is left out."""
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+import nanovllm
+
+ROOT = Path(nanovllm.__file__).parent
+MODEL_SIDE = ("nanovllm.layers", "nanovllm.models", "nanovllm.attention")
+ABOVE_THE_MODEL = ("nanovllm.engine", "nanovllm.entrypoints")
+
+
+def _unit(module: str) -> str:
+    """nanovllm.engine.scheduler -> nanovllm.engine; nanovllm.config -> nanovllm.config."""
+    return ".".join(module.split(".")[:2])
+
+
+def _imported_modules(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            for alias in node.names:  # `from nanovllm import llm` imports a module
+                candidate = Path(ROOT.parent, *node.module.split("."), alias.name)
+                if candidate.with_suffix(".py").exists() or candidate.is_dir():
+                    found.add(f"{node.module}.{alias.name}")
+    return {m for m in found if m == "nanovllm" or m.startswith("nanovllm.")}
+
+
+def _dependencies() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        unit = _unit(module)
+        deps = {_unit(m) for m in _imported_modules(ast.parse(path.read_text()))} - {unit}
+        graph.setdefault(unit, set()).update(deps)
+    return graph
+
+
+def test_no_cycle_between_subpackages():
+    try:
+        list(graphlib.TopologicalSorter(_dependencies()).static_order())
+    except graphlib.CycleError as e:
+        pytest.fail(f"import cycle between nanovllm's parts: {' -> '.join(e.args[1])}")
+
+
+def test_the_model_side_imports_nothing_above_it():
+    graph = _dependencies()
+    wrong = {unit: sorted(graph.get(unit, set()) & set(ABOVE_THE_MODEL)) for unit in MODEL_SIDE}
+    assert not any(wrong.values()), f"imports from the engine or entry points: {wrong}"
