@@ -146,7 +146,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, h
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               allowed_origins: Collection[str] = (), max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
     """The routes, behind the browser checks for a server bound to `host`; call it before
-    `engine.start()`, while this thread may still read the engine."""
+    `engine.start()`, while this thread may still read the engine.
+
+    Long, as a list of routes and handlers is: each is a short closure over this app's settings,
+    and the request handling itself lives in serving, completions and chat."""
     serving = Serving(engine, model_name, max_prompts)
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_origins:  # preflights and CORS headers for them; the refusal of others is BrowserGuard's
