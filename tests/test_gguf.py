@@ -136,7 +136,8 @@ def test_not_a_gguf_file(tmp_path):
 
 def test_file_is_read_once_per_load_and_again_when_rewritten(tmp_path, monkeypatch):
     opened = []
-    monkeypatch.setattr(gguf_loader, "GGUFReader", lambda path: opened.append(path) or gguf.GGUFReader(path))
+    read = gguf_loader.read_gguf_header
+    monkeypatch.setattr(gguf_loader, "read_gguf_header", lambda path: opened.append(path) or read(path))
     hf = _tiny_model(np.random.default_rng(0), qkv_bias=True)
     path = _write_tiny(tmp_path / "m.gguf", "qwen2", hf)
     load_gguf_config(path)
@@ -379,3 +380,25 @@ def test_smollm2_weights_equal_transformers_dequantization(smollm2):
     assert reference.keys() == smollm2.weights.keys()
     mismatched = [k for k, v in smollm2.weights.items() if not torch.equal(v, reference[k])]
     assert mismatched == []
+
+
+def test_header_reader_agrees_with_gguf_py(tmp_path):
+    """Our reader of the header against gguf's own: the same scalar and string metadata, and the
+    same tensors (type, shape, data) for every tensor type the writer makes here."""
+    from nanovllm.loader.gguf_reader import read_gguf_header
+    rng = np.random.default_rng(0)
+    every_type = {f"blk.{i}.ffn_up.weight": (_raw_blocks(q, (8, 512), rng), q) for i, q in enumerate(_ALL_TYPES)}
+    for path in (_write_tiny(tmp_path / "m.gguf", "qwen2", _tiny_model(rng, qkv_bias=True)),
+                 _write_gguf(tmp_path / "t.gguf", "llama", every_type)):
+        _assert_header_agrees(read_gguf_header(path), gguf.GGUFReader(path))
+
+
+def _assert_header_agrees(ours, reference):
+    expected = {name: field.contents() for name, field in reference.fields.items()
+                if field.types and field.types[0] != gguf.GGUFValueType.ARRAY and not name.startswith("GGUF.")}
+    assert ours.metadata == expected
+    assert list(ours.tensors) == [t.name for t in reference.tensors]
+    for t in reference.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.tensor_type == t.tensor_type and mine.shape == tuple(reversed(t.shape.tolist()))
+        assert mine.data.dtype == t.data.dtype and np.array_equal(mine.data, t.data)

@@ -5,10 +5,9 @@ Owns everything GGUF-specific: finding the default model file, turning GGUF meta
 checkpoint of the same model would name and lay them out, and building the tokenizer with the
 model's end-of-sequence ids. The rest of the engine never learns that the weights came from GGUF.
 
-Files are read with `gguf.GGUFReader` and dequantized with gguf-py's vectorized numpy kernels
-(the whole SmolLM2-135M Q4_1 file dequantizes in about a second on two cores). Opening a file
-takes a few seconds (the reader parses every string of the tokenizer arrays), so each file is
-opened once and what the config, weight and eos-id lookups of one load need is kept (`_read`).
+A file's header is read by gguf_reader (metadata and tensor views, without the tokenizer's
+arrays) once per load (`_read`); tensors are dequantized with gguf-py's vectorized numpy
+kernels.
 """
 
 from __future__ import annotations
@@ -22,13 +21,14 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen3Config
+
+from nanovllm.loader.gguf_reader import GGUFHeader, TensorInfo, read_gguf_header
 
 logger = logging.getLogger(__name__)
 
@@ -82,36 +82,15 @@ def default_model_path() -> str:
     )
 
 
-@dataclass(frozen=True)
-class _GGUFFile:
-    metadata: dict[str, Any]  # scalar and string fields; arrays (vocabulary, merges) are the tokenizer's
-    tensors: dict[str, ReaderTensor]  # each tensor's `data` is a view of the file's memory map
-
-
-def _read(path: str) -> _GGUFFile:
+def _read(path: str) -> GGUFHeader:
     stat = os.stat(path)
     # Keyed by size and mtime as well, so a file rewritten in place is read afresh.
     return _read_cached(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _read_cached(path: str, size: int, mtime_ns: int) -> _GGUFFile:
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError) as e:  # what the reader raises on a malformed header
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    if reader.byte_order != "I":  # gguf-py byte-swaps headers and float tensors, not quantized blocks
-        raise ValueError(f"{path}: big-endian GGUF files are not supported")
-    # Only what the config, weights and eos ids need is kept: the reader's numpy view of every
-    # vocabulary string and merge would pin ~150 MB for the life of the process.
-    metadata = {name: field.contents() for name, field in reader.fields.items()
-                if field.types and field.types[0] != GGUFValueType.ARRAY}
-    return _GGUFFile(metadata, {t.name: t for t in reader.tensors})
-
-
-def _shape(tensor: ReaderTensor) -> tuple[int, ...]:
-    # GGUF lists dims innermost first; numpy/torch order is the reverse.
-    return tuple(reversed(tensor.shape.tolist()))
+def _read_cached(path: str, size: int, mtime_ns: int) -> GGUFHeader:
+    return read_gguf_header(path)
 
 
 def _architecture(meta: dict[str, Any]) -> str:
@@ -144,7 +123,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         raise ValueError(f"{path}: the file lacks the metadata key or tensor {e}") from e
 
 
-def _config(path: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor], arch: str) -> PretrainedConfig:
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str) -> PretrainedConfig:
     config_class, hf_arch = _CONFIG_CLASSES[arch]
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: llama3-style rope scaling (rope_freqs.weight) is not supported")
@@ -158,7 +137,7 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor], a
     return config_class(
         architectures=[hf_arch],
         # The embedding's row count, not tokenizer metadata, is what the weights must match.
-        vocab_size=_shape(tensors["token_embd.weight"])[0],
+        vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
         num_hidden_layers=meta[f"{arch}.block_count"],
@@ -211,7 +190,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator
     n_heads = meta.get(f"{arch}.attention.head_count")
     permuted_heads = {"attn_q": n_heads, "attn_k": meta.get(f"{arch}.attention.head_count_kv", n_heads)}
     for t in gguf_file.tensors.values():
-        array = dequantize(t.data, t.tensor_type).reshape(_shape(t))
+        array = dequantize(t.data, t.tensor_type).reshape(t.shape)
         if not array.flags.writeable:  # F32 comes back as a view of the read-only mapping
             array = array.copy()
         tensor = torch.from_numpy(array).to(dtype)
