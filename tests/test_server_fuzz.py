@@ -108,7 +108,6 @@ def test_engine_is_idle_and_unchanged_after_fuzzing(server, offline):  # noqa: F
     m = wait_idle(server)
     assert m["nanovllm:kv_cache_used_blocks"] == 0 and m["vllm:num_requests_running"] == 0
     assert m["vllm:num_requests_waiting"] == 0
-    assert not math.isnan(m["vllm:generation_tokens_total"])
     body = {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 16, "temperature": 0}
     response = requests.post(f"{server.url}/v1/completions", json=body, timeout=60,
                              headers={"Authorization": f"Bearer {API_KEY}"})

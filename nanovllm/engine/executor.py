@@ -177,6 +177,10 @@ class TPExecutor:
     def num_kvcache_blocks(self) -> int:
         return self.runner.num_kvcache_blocks  # agreed by all ranks
 
+    @property
+    def compile_seconds(self) -> float:
+        return self.runner.compile_seconds
+
     def survives(self, error: Exception) -> bool:
         """Never: a failed step has stopped every rank (see _fail)."""
         return False

@@ -148,8 +148,9 @@ class Sampler(nn.Module):
                 tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
         token_ids = tokens.tolist()
         vocab_size = logits.shape[1]
-        outside = [row for row, t in enumerate(token_ids) if not 0 <= t < vocab_size]
-        if outside:  # NaN logits: fail this step rather than the next one that would embed the id
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+            # NaN logits: fail this step rather than the next one that would embed the id.
+            outside = [row for row, t in enumerate(token_ids) if not 0 <= t < vocab_size]
             raise RuntimeError(f"sampling rows {outside} drew no token of the vocabulary (NaN logits?)")
         if not wants_logprobs:
             return SamplerOutput(token_ids, [None] * len(token_ids))

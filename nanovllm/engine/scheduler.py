@@ -83,17 +83,14 @@ class Scheduler:
         a step's new KV into the cache before any query of the step reads it, so a stream may
         attend to blocks another writes in the same step."""
         bs = self.block_manager.block_size
-        # Sequences whose whole prompt is computed once this step has run.
-        prompt_done = {seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                       if seq.num_computed_tokens + n >= seq.num_prompt_tokens}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             parent = seq.parent
             shares_parent = parent is not None and parent.status == SequenceStatus.RUNNING
             if shares_parent:
-                # A running first stream was scheduled before this point; with budget left, it
-                # took all of its prompt that remained.
-                assert parent.num_computed_tokens >= parent.num_prompt_tokens or parent in prompt_done
+                # A running first stream was scheduled before this point and, with budget left,
+                # took all of its prompt that remained: its prompt blocks are computed by the end
+                # of this step at the latest.
                 cached = parent.block_table[:(seq.num_tokens - 1) // bs]
             else:
                 cached = self.block_manager.find_cached_prefix(seq)
@@ -107,8 +104,6 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
-            if seq.num_computed_tokens + num_new >= seq.num_prompt_tokens:
-                prompt_done.add(seq)
             budget -= num_new
 
     def _preempt(self, seq: Sequence):

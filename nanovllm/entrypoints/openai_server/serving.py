@@ -65,8 +65,7 @@ class Serving:
             return await self.engine.add_requests(request_ids, prompts, params)
         except (ValueError, TypeError) as e:  # a prompt, or a value for this model, the engine will not take
             # Messages about a sampling value start with its name ("stop_token_ids must be ...").
-            field = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=field if field in _SAMPLING_FIELDS else "prompt") from None
+            raise APIError(400, str(e), param=_field_named_by(e) or "prompt") from None
 
     def chunk(self, response_id: str, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": response_id, "object": kind, "created": int(time.time()), "model": self.model_name,
@@ -78,7 +77,13 @@ def sampling_params(body: SamplingRequest, max_tokens: int | None, logprobs: int
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:  # SamplingParams names the field first: "temperature must be ..."
-        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+        raise APIError(400, str(e), param=_field_named_by(e)) from None
+
+
+def _field_named_by(error: ValueError) -> str | None:
+    """SamplingParams' messages start with the field's name ("stop[0] must be ...")."""
+    name = str(error).split(" ", 1)[0]
+    return name if name.split("[", 1)[0] in _SAMPLING_FIELDS else None
 
 
 def finite_logprob(logprob: float) -> float:
