@@ -21,13 +21,11 @@ CPU_KV_CACHE_RAM_SHARE = 0.2
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True on CPUs with AMX-BF16 or AVX512-BF16, where bf16 matmuls beat fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """True where the CPU kernels run (AVX512-BF16 or AVX2; see nanovllm/kernels/cpu.py): with
+    them bf16 weights, which decode reads at half fp32's bytes, run faster than fp32 end to end
+    (figures in benchmarks/RESULTS.md). Elsewhere plain PyTorch's fp32 is the faster."""
+    from nanovllm.kernels import cpu as cpu_kernels
+    return cpu_kernels.has_simd_kernels()
 
 
 @dataclass

@@ -200,7 +200,7 @@ class Sampler(nn.Module):
 
 
 def _has_cpu_sampler(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu" and cpu_kernels.has_bf16_kernels()
+    return logits.device.type == "cpu" and cpu_kernels.has_simd_kernels()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -18,8 +18,8 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                  help="Hugging Face model directory, .gguf file, or the alias "
                                       f"{DEFAULT_MODEL_ALIAS!r}")),
     (("--dtype",), "dtype", dict(choices=["auto", *DTYPES],
-                                 help="weight and activation dtype; auto: bfloat16 on GPUs and on CPUs with "
-                                      "AVX512-BF16/AMX, else float32")),
+                                 help="weight and activation dtype; auto: bfloat16 on GPUs and on CPUs the "
+                                      "kernels run on (AVX512-BF16 or AVX2), else float32")),
     (("--device",), "device", dict(choices=["auto", "cpu", "cuda"], help="auto: cuda when available")),
     (("--max-model-len",), "max_model_len", dict(type=int, metavar="N",
                                                  help="longest prompt + output, in tokens (default: the model's)")),

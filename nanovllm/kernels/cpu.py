@@ -1,20 +1,27 @@
-"""The compiled CPU kernels (cpu/, a .cpp file per op family): built on first use, with their
-Python faces.
+"""The compiled CPU kernels (cpu/, a .cpp file per op family): built on first use for one
+instruction set, with their Python faces.
 
-The extension is compiled for this machine (`-march=native`) through torch's cpp_extension
-machinery and cached in torch's extensions directory under a name that hashes every source and
-header with its path, the torch version and the CPU's flags, so an edit to any of them, an
-upgrade or another CPU builds afresh and a warm cache loads in well under a second. The paths
-are in the name because the build remembers where its sources were: two checkouts of the same
-sources sharing one build would rebuild it (~50 s on two cores: each file parses torch's
-headers) at every switch between them. Without a working compiler `available()` is False and
-callers fall back to plain PyTorch.
+Variants (cpu/simd.h): `avx512` (AVX512F/BW/VL with AVX512-BF16), `avx2` (AVX2 + FMA + F16C) and
+`none` (plain C++). The best one this CPU executes is built, or the one NANOVLLM_CPU_ISA names,
+so that a machine tests every variant it can run; asking for one it cannot run is an error.
+The engine switches onto the kernels (linear, norm, SiLU, sampling) only on `avx512` and `avx2`
+(`has_simd_kernels()`); `none` keeps plain PyTorch except the paged attention, whose portable
+path is the only one over the CPU cache layout.
+
+The extension is compiled through torch's cpp_extension machinery and cached in torch's
+extensions directory under a name that hashes every source and header with its path, the
+torch version and the variant's flags, so an edit to any of them, an upgrade or another
+variant builds afresh and a warm cache loads in well under a second. The paths are in the name
+because the build remembers where its sources were: two checkouts of the same sources sharing
+one build would rebuild it (~50 s on two cores: each file parses torch's headers) at every
+switch between them. Without a working compiler `available()` is False and callers fall back
+to plain PyTorch.
 
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
-`store_kv`, `paged_attention`, `sample_rows`, and the elementwise `silu_and_mul`, `rms_norm`,
-`add_rms_norm`; see cpu/registration.cpp.
+`store_kv`, `paged_attention`, `sample_rows`, the elementwise `silu_and_mul`, `rms_norm`,
+`add_rms_norm`, and `isa`; see cpu/registration.cpp.
 """
 
 import functools
@@ -24,6 +31,7 @@ import logging
 import math
 import mmap
 import os
+import platform
 import weakref
 
 import torch
@@ -36,24 +44,57 @@ _SOURCE_DIR = os.path.join(os.path.dirname(__file__), "cpu")
 # header must rebuild too. Sorted: the key must not depend on the order a directory lists in.
 _SOURCES = sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.cpp")))
 _HEADERS = sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.h")))
-_BUILD_VERSION = b"1"  # bump when the build flags change
+_BUILD_VERSION = b"2"  # bump when the build flags change
+
+ISA_ENV = "NANOVLLM_CPU_ISA"
+# Each variant: the /proc/cpuinfo flags a CPU needs to run it, and the compiler flags that
+# build it (x86 only: elsewhere only `none` exists). Best first.
+ISAS = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+    "none": ((), []),
+}
 
 
-def _cpu_flags() -> str:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return line
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return ""
+    return set()
+
+
+def runnable_isas() -> list[str]:
+    """The variants this CPU executes, best first."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    flags = _cpu_flags()
+    return [isa for isa, (needs, _) in ISAS.items() if isa == "none" or (x86 and flags.issuperset(needs))]
+
+
+@functools.cache
+def isa() -> str:
+    """The variant this process builds: NANOVLLM_CPU_ISA if set, else the best this CPU runs."""
+    runnable = runnable_isas()
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if not forced:
+        return runnable[0]
+    if forced not in ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r} is not a kernel variant; use one of {', '.join(ISAS)}")
+    if forced not in runnable:
+        raise ValueError(f"{ISA_ENV}={forced!r}: this CPU cannot execute it; it runs {', '.join(runnable)}")
+    return forced
 
 
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False, with a warning, if that fails."""
-    fingerprint = [_BUILD_VERSION, torch.__version__.encode(), _cpu_flags().encode()]
+    variant = isa()
+    flags = ISAS[variant][1]
+    fingerprint = [_BUILD_VERSION, torch.__version__.encode(), variant.encode(), " ".join(flags).encode()]
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             fingerprint += [f.read(), os.path.realpath(path).encode()]
@@ -63,12 +104,16 @@ def available() -> bool:
         # -fopenmp: at::parallel_for is a header template whose OpenMP pragmas compile into the
         # extension; without the flag it silently runs on one thread. The libgomp this links
         # resolves to the one torch already loaded (same soname), so there is one thread pool.
-        load(name=f"nanovllm_cpu_{key}", sources=_SOURCES, extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        load(name=f"nanovllm_cpu_{variant}_{key}", sources=_SOURCES, extra_cflags=["-O3", "-fopenmp", *flags],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, an unsupported platform...
         logger.warning("nano-vllm CPU kernels could not be built (%s); using plain PyTorch, which is slower", e)
         return False
+    built = torch.ops.nanovllm_cpu.isa()
+    if built != variant:  # the flags did not enable what the variant needs
+        raise RuntimeError(f"the CPU kernels built for {variant!r} report {built!r}; the compiler ignored {flags}")
     _register_fakes()
+    logger.info("CPU kernels: %s (this CPU runs %s)", variant, ", ".join(runnable_isas()))
     return True
 
 
@@ -103,18 +148,22 @@ def _register_fakes() -> None:
                 torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
-# Rows up to which the packed kernel beats oneDNN (on its own packed weights): it streams the
-# weights at memory speed for a few rows and, on AVX512-BF16 without AMX, stays ahead of oneDNN's
-# GEMM to about 100 rows; with AMX tiles oneDNN's GEMM is several times faster than any AVX-512
-# kernel once there are rows enough to fill them (measurements in benchmarks/RESULTS.md).
-PACKED_MAX_ROWS = 16 if "amx_bf16" in _cpu_flags() else 96
-
-
 @functools.cache
-def has_bf16_kernels() -> bool:
-    """Whether this machine runs the bf16 kernels (AVX512-BF16): the packed linear, the sampler
-    and the elementwise ops."""
-    return available() and torch.ops.nanovllm_cpu.has_bf16_kernels()
+def has_simd_kernels() -> bool:
+    """Whether the engine switches onto the kernels here (the packed linear, the sampler and the
+    elementwise ops): an `avx512` or `avx2` build."""
+    return available() and isa() != "none"
+
+
+def packed_max_rows() -> int:
+    """Rows up to which the packed kernel beats oneDNN (on its own packed weights). It streams
+    the weights at memory speed for a few rows; on AVX512-BF16 without AMX it stays ahead of
+    oneDNN's GEMM to about 100 rows, with AMX tiles oneDNN's GEMM is several times faster than
+    any AVX-512 kernel once there are rows enough to fill them, and on AVX2 oneDNN's fp32 GEMM
+    wins from a handful of rows (measurements in benchmarks/RESULTS.md)."""
+    if isa() == "avx512":
+        return 16 if "amx_bf16" in _cpu_flags() else 96
+    return 4
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:

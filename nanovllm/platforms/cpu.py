@@ -86,7 +86,7 @@ class CPUPlatform(Platform):
         self.compiled = not enforce_eager and dtype != torch.float32 and tp_group.world_size == 1
 
     def prepare_model(self, model: nn.Module) -> None:
-        if self.dtype != torch.bfloat16 or not cpu_kernels.has_bf16_kernels():
+        if self.dtype != torch.bfloat16 or not cpu_kernels.has_simd_kernels():
             return
         linears = [m for m in model.modules() if type(getattr(m, "linear_method", None)) is UnquantizedLinearMethod
                    and m.weight.dtype == torch.bfloat16]

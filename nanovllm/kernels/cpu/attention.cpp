@@ -12,14 +12,14 @@
 //           64-byte load times a broadcast query pair yields 16 partial scores at once;
 //    values [bs/2][D][2]: for each pair of tokens, their values interleaved dim by dim, so one
 //           load times a broadcast pair of probabilities adds two tokens into 16 outputs.
-// Both feed AVX512-BF16 dot products with no shuffles and no horizontal sums.
+// Both feed dot products over bf16 pairs (simd.h) with no shuffles and no horizontal sums.
 //
 // Only slots below a sequence's context length are ever read, and those were written by this
 // or an earlier step, so the cache never needs zeroing; lanes past the end are masked before
 // any arithmetic touches them (0 * NaN garbage would be NaN).
 
 #include "ops.h"
-#include "simd_bf16.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -142,12 +142,11 @@ void attend_rows_generic(const Row<T>* rows, int n, const T* k_cache, const T* v
   }
 }
 
-#ifdef NANOVLLM_BF16_KERNELS
+using simd::Vec;
+
 // acc += w . (the bf16 pair at p, broadcast to all 16 lanes).
-inline __m512 dot_broadcast(__m512 acc, __m512bh w, const void* p) {
-  uint32_t pair;
-  std::memcpy(&pair, p, sizeof(pair));
-  return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_set1_epi32(pair));
+inline Vec dot_broadcast(Vec acc, const simd::Pairs& w, const BFloat16* p) {
+  return simd::dot(acc, w, simd::broadcast(simd::make_pair(p)));
 }
 
 // bf16, D = 16 * chunks, block size a multiple of 16: NR rows at once over 16-key tiles with an
@@ -157,18 +156,19 @@ template <int chunks, int NR>
 void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const BFloat16* v_cache, const Paged& pg,
                       float scale) {
   constexpr int D = 16 * chunks;
-  constexpr int P = NR * (chunks + 4) <= 28 ? 4 : 2;  // divides D / 2 = 8 * chunks
+  // P partial sums per row where the registers allow (P divides D / 2 = 8 * chunks).
+  constexpr int P = NR * (chunks + 4) * simd::kRegistersPerVec <= simd::kRegisters - 4 ? 4 : 2;
   const int64_t bs = pg.bs;
-  __m512 acc[NR][chunks];
+  Vec acc[NR][chunks];
   float running_max[NR], running_sum[NR];
   int64_t last = 0;
   for (int r = 0; r < NR; r++) {
-    for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; c++) acc[r][c] = simd::zero();
     running_max[r] = -std::numeric_limits<float>::infinity();
     running_sum[r] = 0;
     last = std::max(last, rows[r].last);
   }
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const Vec minus_inf = simd::set1(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = 0; t0 <= last; t0 += 16) {
     const BFloat16* keys = pg.block(k_cache, t0) + (t0 % bs) * 2;
     const BFloat16* values = pg.block(v_cache, t0) + (t0 % bs) * D;
@@ -179,41 +179,40 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
     const char* next_values = (const char*)(pg.block(v_cache, next) + (next % bs) * D);
     // P partial sums per row: a dot product's latency is several cycles, and one chain per row
     // over D / 2 steps would leave the multiply units idle.
-    __m512 part[NR][P], s[NR];
+    Vec part[NR][P], s[NR];
     for (int r = 0; r < NR; r++)
-      for (int p = 0; p < P; p++) part[r][p] = _mm512_setzero_ps();
+      for (int p = 0; p < P; p++) part[r][p] = simd::zero();
     for (int dp0 = 0; dp0 < D / 2; dp0 += P) {
       for (int p = 0; p < P; p++) {
         const int dp = dp0 + p;
-        _mm_prefetch(next_keys + dp * bs * 4, _MM_HINT_T0);
-        _mm_prefetch(next_values + dp * 64, _MM_HINT_T0);
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + dp * bs * 2);
+        simd::prefetch(next_keys + dp * bs * 4);
+        simd::prefetch(next_values + dp * 64);
+        const simd::Pairs k = simd::load_pairs(keys + dp * bs * 2);
         for (int r = 0; r < NR; r++) part[r][p] = dot_broadcast(part[r][p], k, rows[r].q + 2 * dp);
       }
     }
     for (int r = 0; r < NR; r++) {
       s[r] = part[r][0];
-      for (int p = 1; p < P; p++) s[r] = _mm512_add_ps(s[r], part[r][p]);
+      for (int p = 1; p < P; p++) s[r] = simd::add(s[r], part[r][p]);
     }
-    alignas(64) uint16_t probs[NR][16];
+    alignas(64) BFloat16 probs[NR][16];
     for (int r = 0; r < NR; r++) {
       const int64_t visible = std::clamp<int64_t>(rows[r].last - t0 + 1, 0, 16);
       if (visible == 0) {  // this row's keys ended in an earlier tile
         std::memset(probs[r], 0, sizeof(probs[r]));
         continue;
       }
-      const __mmask16 mask = tail_mask(visible);
-      const __m512 scores = _mm512_mask_blend_ps(mask, minus_inf, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
-      const float tile_max = _mm512_reduce_max_ps(scores);
+      const Vec scores = simd::keep_first(simd::mul(s[r], simd::set1(scale)), visible, minus_inf);
+      const float tile_max = simd::reduce_max(scores);
       if (tile_max > running_max[r]) {  // rescale what came before; past the first tiles, rarely
         const float correction = std::exp(running_max[r] - tile_max);
         running_sum[r] *= correction;
-        for (int c = 0; c < chunks; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));
+        for (int c = 0; c < chunks; c++) acc[r][c] = simd::mul(acc[r][c], simd::set1(correction));
         running_max[r] = tile_max;
       }
-      const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(running_max[r]))));
-      running_sum[r] += _mm512_reduce_add_ps(p);
-      _mm256_store_si256((__m256i*)probs[r], (__m256i)_mm512_cvtneps_pbh(p));
+      const Vec p = simd::keep_first(simd::exp(simd::sub(scores, simd::set1(running_max[r]))), visible, simd::zero());
+      running_sum[r] += simd::reduce_add(p);
+      simd::store_bf16(probs[r], p);
     }
     // Token pairs up to the last visible key of any row; a pair whose second token lies past
     // it has that token's values zeroed, since the slot may never have been written.
@@ -221,24 +220,22 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
     for (int64_t tp = 0; 2 * tp < visible; tp++) {
       const bool half = 2 * tp + 1 >= visible;
       for (int c = 0; c < chunks; c++) {
-        __m512i v = _mm512_loadu_si512(values + tp * D * 2 + c * 32);
-        if (half) v = _mm512_maskz_mov_epi16(0x55555555u, v);
-        for (int r = 0; r < NR; r++)
-          acc[r][c] = dot_broadcast(acc[r][c], (__m512bh)v, probs[r] + 2 * tp);
+        const BFloat16* v = values + tp * D * 2 + c * 32;
+        const simd::Pairs pairs = half ? simd::load_pairs_first_only(v) : simd::load_pairs(v);
+        for (int r = 0; r < NR; r++) acc[r][c] = dot_broadcast(acc[r][c], pairs, probs[r] + 2 * tp);
       }
     }
   }
   for (int r = 0; r < NR; r++) {
-    const __m512 inv = _mm512_set1_ps(1.0f / running_sum[r]);
-    for (int c = 0; c < chunks; c++)
-      _mm256_storeu_si256((__m256i*)(rows[r].out + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+    const Vec inv = simd::set1(1.0f / running_sum[r]);
+    for (int c = 0; c < chunks; c++) simd::store_bf16(rows[r].out + 16 * c, simd::mul(acc[r][c], inv));
   }
 }
 
 // Rows per call: as many as registers allow (NR * (chunks + 1) accumulators); a decode's GQA
-// group (its query heads share every key and value) fits in one call.
+// group (its query heads share every key and value) fits in one call on AVX-512.
 template <int chunks>
-constexpr int kRowsAtOnce = chunks <= 4 ? 4 : 2;
+constexpr int kRowsAtOnce = simd::kRegistersPerVec == 1 ? (chunks <= 4 ? 4 : 2) : (chunks <= 2 ? 2 : 1);
 
 template <int chunks, int... NRs>
 void attend_rows_bf16_groups(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
@@ -261,7 +258,6 @@ using AttendRowsFn = void (*)(const Row<BFloat16>*, int, const BFloat16*, const 
 constexpr AttendRowsFn kAttendRows[8] = {
     &attend_rows_bf16_any<1>, &attend_rows_bf16_any<2>, &attend_rows_bf16_any<3>, &attend_rows_bf16_any<4>,
     &attend_rows_bf16_any<5>, &attend_rows_bf16_any<6>, &attend_rows_bf16_any<7>, &attend_rows_bf16_any<8>};
-#endif
 
 }  // namespace
 
@@ -322,14 +318,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                               first_pos + row - cu[it.seq]});
             }
           const Paged pg{tables + it.seq * max_blocks, bs, D, num_blocks, it.head};
-#ifdef NANOVLLM_BF16_KERNELS
           if constexpr (std::is_same_v<T, BFloat16>) {
             if (D % 16 == 0 && D <= 128 && bs % 16 == 0) {
               kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, float(scale));
               continue;
             }
           }
-#endif
           attend_rows_generic<T>(rows.data(), int(rows.size()), kc, vc, pg, float(scale), scratch);
         }
       }

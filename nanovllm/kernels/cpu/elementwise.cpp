@@ -4,7 +4,7 @@
 // eager bf16 ops do, so they give the same values as those up to the last bit of exp and of a sum.
 
 #include "ops.h"
-#include "simd_bf16.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,6 +12,8 @@
 
 namespace nanovllm_cpu {
 namespace {
+
+using simd::Vec;
 
 // Rows of x viewed as [rows, width]; x made contiguous first if it is not.
 struct RowsView {
@@ -36,24 +38,19 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = I;
   at::Tensor out = at::empty(shape, x.options());
-#ifdef NANOVLLM_BF16_KERNELS
   const BFloat16* src = in.x.data_ptr<BFloat16>();
   BFloat16* dst = out.data_ptr<BFloat16>();
   at::parallel_for(0, in.rows, rows_grain(in.width), [&](int64_t begin, int64_t end) {
-    const __m512 one = _mm512_set1_ps(1.0f);
+    const Vec one = simd::set1(1.0f);
     for (int64_t row = begin; row < end; row++) {
       const BFloat16* gate = src + row * 2 * I;
       for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 m = tail_mask(I - i);
-        const __m512 g = load_bf16(gate + i, m);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store_bf16(dst + row * I + i, _mm512_mul_ps(round_bf16(silu), load_bf16(gate + I + i, m)), m);
+        const Vec g = simd::load_bf16(gate + i, I - i);
+        const Vec silu = simd::div(g, simd::add(one, simd::exp(simd::sub(simd::zero(), g))));
+        simd::store_bf16(dst + row * I + i, simd::mul(simd::round_bf16(silu), simd::load_bf16(gate + I + i, I - i)), I - i);
       }
     }
   });
-#else
-  TORCH_CHECK(false, "silu_and_mul needs a build with AVX512-BF16");
-#endif
   return out;
 }
 
@@ -65,7 +62,6 @@ void rms_norm_rows(const RowsView& in, const BFloat16* residual, const at::Tenso
                    at::Tensor& out, BFloat16* summed) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == in.width,
               "rms_norm: a bf16 weight of the last dim's size");
-#ifdef NANOVLLM_BF16_KERNELS
   const int64_t H = in.width;
   const BFloat16* src = in.x.data_ptr<BFloat16>();
   const BFloat16* w = weight.data_ptr<BFloat16>();
@@ -74,28 +70,23 @@ void rms_norm_rows(const RowsView& in, const BFloat16* residual, const at::Tenso
     for (int64_t row = begin; row < end; row++) {
       const BFloat16* x = src + row * H;
       if (residual != nullptr) {  // the sum first, stored: the norm reads it back from L1
-        for (int64_t i = 0; i < H; i += 16) {
-          const __mmask16 m = tail_mask(H - i);
-          store_bf16(summed + row * H + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(residual + row * H + i, m)), m);
-        }
+        for (int64_t i = 0; i < H; i += 16)
+          simd::store_bf16(summed + row * H + i,
+                           simd::add(simd::load_bf16(x + i, H - i), simd::load_bf16(residual + row * H + i, H - i)), H - i);
         x = summed + row * H;
       }
-      __m512 squares = _mm512_setzero_ps();
+      Vec squares = simd::zero();
       for (int64_t i = 0; i < H; i += 16) {
-        const __m512 v = load_bf16(x + i, tail_mask(H - i));
-        squares = _mm512_fmadd_ps(v, v, squares);
+        const Vec v = simd::load_bf16(x + i, H - i);
+        squares = simd::fmadd(v, v, squares);
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / float(H) + float(eps)));
+      const Vec inv = simd::set1(1.0f / std::sqrt(simd::reduce_add(squares) / float(H) + float(eps)));
       for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = tail_mask(H - i);
-        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(x + i, m), inv));
-        store_bf16(dst + row * H + i, _mm512_mul_ps(load_bf16(w + i, m), normed), m);
+        const Vec normed = simd::round_bf16(simd::mul(simd::load_bf16(x + i, H - i), inv));
+        simd::store_bf16(dst + row * H + i, simd::mul(simd::load_bf16(w + i, H - i), normed), H - i);
       }
     }
   });
-#else
-  TORCH_CHECK(false, "rms_norm needs a build with AVX512-BF16");
-#endif
 }
 
 }  // namespace

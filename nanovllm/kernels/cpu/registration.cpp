@@ -2,12 +2,14 @@
 // nanovllm_cpu) and built on first use by nanovllm/kernels/cpu.py. One file per op family:
 // linear.cpp (the packed bf16 linear, oneDNN's packed weights), attention.cpp (the paged KV
 // cache: store_kv, paged_attention), sampling.cpp, elementwise.cpp (gated SiLU, RMSNorm); the
-// bf16 SIMD helpers they share are in simd_bf16.h.
+// SIMD layer they share, which alone knows the instruction set, is simd.h.
 
 #include "ops.h"
-#include "simd_bf16.h"
+#include "simd.h"
 
 #include <torch/library.h>
+
+#include <string>
 
 TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias, int max_packed_rows, Tensor? onednn) -> Tensor");
@@ -21,7 +23,7 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("has_bf16_kernels() -> bool", [] { return nanovllm_cpu::kHasBf16Kernels; });
+  m.def("isa() -> str", [] { return std::string(nanovllm_cpu::simd::kIsa); });
 }
 
 TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {

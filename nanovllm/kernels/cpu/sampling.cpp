@@ -1,8 +1,9 @@
 // sample_rows: the sampler's random draw (nanovllm/engine/sampler.py), one token per row.
 
 #include "ops.h"
-#include "simd_bf16.h"
+#include "simd.h"
 
+#include <cstring>
 #include <limits>
 
 namespace nanovllm_cpu {
@@ -21,55 +22,49 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
               "temperatures and uniforms: one fp32 per row");
   const int64_t n = logits.size(0), V = logits.size(1);
   at::Tensor tokens = at::empty({n}, at::kLong);
-#ifdef NANOVLLM_BF16_KERNELS
   const float* temps = temperatures.data_ptr<float>();
   const float* us = uniforms.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const simd::Vec minus_inf = simd::set1(kMinusInf);
     for (int64_t row = begin; row < end; row++) {
       const float* l = logits.data_ptr<float>() + row * logits.stride(0);
-      auto load16 = [&](int64_t v) {  // the 16 logits at v; -inf past the end
-        return _mm512_mask_loadu_ps(minus_inf, tail_mask(V - v), l + v);
-      };
-      __m512 max16 = minus_inf;
-      for (int64_t v = 0; v < V; v += 16) max16 = _mm512_max_ps(max16, load16(v));
-      const __m512 offset = _mm512_set1_ps(_mm512_reduce_max_ps(max16)), inv_t = _mm512_set1_ps(1.0f / temps[row]);
+      auto load16 = [&](int64_t v) { return simd::load_first(l + v, V - v, kMinusInf); };  // -inf past the end
+      simd::Vec max16 = minus_inf;
+      for (int64_t v = 0; v < V; v += 16) max16 = simd::max(max16, load16(v));
+      const simd::Vec offset = simd::set1(simd::reduce_max(max16)), inv_t = simd::set1(1.0f / temps[row]);
       // exp((l - max) / T) for the 16 logits at v, 0 where l is -inf.
       auto probs16 = [&](int64_t v) {
-        const __m512 x = load16(v);
-        const __mmask16 live = _mm512_cmp_ps_mask(x, minus_inf, _CMP_NEQ_OQ);
-        return _mm512_maskz_mov_ps(live, exp16(_mm512_mul_ps(_mm512_sub_ps(x, offset), inv_t)));
+        const simd::Vec x = load16(v);
+        return simd::where_greater(x, minus_inf, simd::exp(simd::mul(simd::sub(x, offset), inv_t)));
       };
       float total = 0;
-      for (int64_t v = 0; v < V; v += 16) total += _mm512_reduce_add_ps(probs16(v));
+      for (int64_t v = 0; v < V; v += 16) total += simd::reduce_add(probs16(v));
       const float target = us[row] * total;
       // Whole chunks are skipped by the same sums as the total's, then one is scanned. Should
       // rounding leave the target unreached, the last token with any probability is drawn.
       int64_t token = -1, last_live = -1;
       float running = 0;
       for (int64_t v = 0; v < V && token < 0; v += 16) {
-        const __m512 p = probs16(v);
-        const float chunk = _mm512_reduce_add_ps(p);
+        const simd::Vec p = probs16(v);
+        const float chunk = simd::reduce_add(p);
         if (running + chunk > target) {
-          alignas(64) float ps[16];
-          _mm512_store_ps(ps, p);
+          float ps[16];
+          std::memcpy(ps, &p, sizeof(ps));
           float partial = running;
           for (int j = 0; j < 16 && token < 0; j++) {
             partial += ps[j];
             if (ps[j] > 0 && partial > target) token = v + j;
           }
         }
-        const unsigned live = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const uint32_t live = simd::positive_lanes(p);
         if (live != 0) last_live = v + 31 - __builtin_clz(live);
         running += chunk;
       }
       out[row] = token >= 0 ? token : last_live;
     }
   });
-#else
-  TORCH_CHECK(false, "sample_rows needs a build with AVX512-BF16");
-#endif
   return tokens;
 }
 

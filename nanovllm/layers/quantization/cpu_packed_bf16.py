@@ -16,8 +16,11 @@ from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 class CPUPackedBF16LinearMethod(UnquantizedLinearMethod):
+    def __init__(self):
+        self.max_packed_rows = cpu_kernels.packed_max_rows()  # a constant to the compiled graphs
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.linear(x, layer.weight, layer.packed_weight, bias, cpu_kernels.PACKED_MAX_ROWS,
+        return torch.ops.nanovllm_cpu.linear(x, layer.weight, layer.packed_weight, bias, self.max_packed_rows,
                                              layer.onednn_weight)
 
     @classmethod

@@ -1,0 +1,341 @@
+// The small SIMD layer every CPU kernel file includes: sixteen fp32 lanes (`Vec`) and bf16 pairs
+// ready for dot products (`Pairs`), over whichever instruction set the build targets. The kernels
+// are written once against it; only this file knows the ISA.
+//
+//   avx512: AVX512F + BW + VL + BF16 (Zen 4, Sapphire Rapids and later): a Vec is one zmm
+//           register, a dot product over bf16 pairs is one vdpbf16ps.
+//   avx2:   AVX2 + FMA + F16C (Haswell, Zen 1-3, Alder Lake): a Vec is two ymm registers; bf16
+//           widens to fp32 exactly (a shift or a mask: a bf16 is the top half of an fp32) and the
+//           pairs' products are two FMAs.
+//   none:   plain C++ loops over 16 floats, for any other CPU: correct, the compiler's to
+//           vectorise; the engine does not switch onto the kernels there (kernels/cpu.py).
+//
+// The build picks the ISA by its -m flags (kernels/cpu.py passes one set per variant), so one
+// machine can build and test every variant it can execute.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#define NANOVLLM_SIMD_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NANOVLLM_SIMD_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace nanovllm_cpu::simd {
+
+using at::BFloat16;
+
+// exp's polynomial: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], relative error ~2e-7.
+// Arguments are clamped to [-87, 89]: below, a tiny normal float instead of one smaller still;
+// from 89 (past ~88.72) up, 2^128 = +inf, as exp's own overflow.
+inline constexpr float kExpLow = -87.0f, kExpHigh = 89.0f, kLog2e = 1.44269504089f, kLn2 = 0.693147180560f;
+inline constexpr float kExpPoly[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+#if defined(NANOVLLM_SIMD_AVX512)
+
+inline constexpr const char* kIsa = "avx512";
+inline constexpr int kRegisters = 32;  // vector registers
+inline constexpr int kRegistersPerVec = 1;
+inline constexpr bool kBf16Arithmetic = true;  // the CPU multiplies bf16 (oneDNN's GEMM too)
+
+struct Vec {
+  __m512 v;
+};
+// The first min(n, 16) lanes.
+inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1); }
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x.v); }
+inline float reduce_max(Vec x) { return _mm512_reduce_max_ps(x.v); }
+// Lanes from n on take `fill`.
+inline Vec keep_first(Vec x, int64_t n, Vec fill) { return {_mm512_mask_blend_ps(first(n), fill.v, x.v)}; }
+// x where a > b (ordered), else 0.
+inline Vec where_greater(Vec a, Vec b, Vec x) { return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), x.v)}; }
+// Bit j set where lane j is > 0.
+inline uint32_t positive_lanes(Vec x) { return _mm512_cmp_ps_mask(x.v, _mm512_setzero_ps(), _CMP_GT_OQ); }
+
+// Up to 16 floats from p (min(n, 16) of them); the rest take `fill`.
+inline Vec load_first(const float* p, int64_t n, float fill) {
+  return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), first(n), p)};
+}
+inline Vec widen_bf16(__m256i x) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))}; }
+// min(n, 16) bf16 values from p widened to fp32; the rest are 0.
+inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p)); }
+// The first min(n, 16) lanes rounded to bf16 (nearest even) and stored at p.
+inline void store_bf16(BFloat16* p, Vec x, int64_t n = 16) {
+  _mm256_mask_storeu_epi16(p, first(n), (__m256i)_mm512_cvtneps_pbh(x.v));
+}
+// x rounded to bf16 and widened back, as a bf16 intermediate in eager PyTorch.
+inline Vec round_bf16(Vec x) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(x.v)); }
+
+inline Vec exp(Vec x) {
+  const __m512 c = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(kExpLow)), _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), c);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  return {_mm512_scalef_ps(p, n)};
+}
+
+// Sixteen bf16 pairs (64 bytes, pair j = lanes 2j, 2j+1) ready for dot products, and one pair
+// of bf16 scalars broadcast to all lanes: dot(acc, w, x)[j] = acc[j] + w.a[j] * x.a + w.b[j] * x.b.
+struct Pairs {
+  __m512bh v;
+};
+inline Pairs load_pairs(const BFloat16* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+// As load_pairs, with the second value of every pair taken as 0.
+inline Pairs load_pairs_first_only(const BFloat16* p) { return {(__m512bh)_mm512_maskz_loadu_epi16(0x55555555u, p)}; }
+// A pair of scalars as the kernels keep them between uses: here its two bf16s' bits.
+struct Pair {
+  uint32_t bits;
+};
+inline constexpr bool kPairIsTwoBf16 = true;  // a Pair's memory is the two bf16s themselves
+inline Pair make_pair(const BFloat16* p) {
+  Pair pair;
+  std::memcpy(&pair.bits, p, 4);
+  return pair;
+}
+inline Pair make_pair(BFloat16 a, BFloat16 b) {
+  const BFloat16 both[2] = {a, b};
+  return make_pair(both);
+}
+struct Broadcast {
+  __m512bh v;
+};
+inline Broadcast broadcast(Pair x) { return {(__m512bh)_mm512_set1_epi32(int(x.bits))}; }
+inline Vec dot(Vec acc, Pairs w, Broadcast x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)}; }
+
+#elif defined(NANOVLLM_SIMD_AVX2)
+
+inline constexpr const char* kIsa = "avx2";
+inline constexpr int kRegisters = 16;
+inline constexpr int kRegistersPerVec = 2;
+inline constexpr bool kBf16Arithmetic = false;
+
+struct Vec {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+// All-ones in the 32-bit lanes below n (for lanes base..base+7).
+inline __m256i first8(int64_t n, int base) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::clamp<int64_t>(n, 0, 16))),
+                            _mm256_add_epi32(_mm256_set1_epi32(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float reduce8(__m256 x, __m128 (*op)(__m128, __m128)) {
+  __m128 r = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  r = op(r, _mm_movehl_ps(r, r));
+  r = op(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+inline float reduce_add(Vec x) { return reduce8(_mm256_add_ps(x.lo, x.hi), [](__m128 a, __m128 b) { return _mm_add_ps(a, b); }); }
+inline float reduce_max(Vec x) { return reduce8(_mm256_max_ps(x.lo, x.hi), [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }); }
+inline Vec keep_first(Vec x, int64_t n, Vec fill) {
+  return {_mm256_blendv_ps(fill.lo, x.lo, _mm256_castsi256_ps(first8(n, 0))),
+          _mm256_blendv_ps(fill.hi, x.hi, _mm256_castsi256_ps(first8(n, 8)))};
+}
+inline Vec where_greater(Vec a, Vec b, Vec x) {
+  return {_mm256_and_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), x.lo), _mm256_and_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ), x.hi)};
+}
+inline uint32_t positive_lanes(Vec x) {
+  const __m256 z = _mm256_setzero_ps();
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.lo, z, _CMP_GT_OQ))) |
+         uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x.hi, z, _CMP_GT_OQ))) << 8;
+}
+
+inline Vec load_first(const float* p, int64_t n, float fill) {
+  if (n >= 16) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  const __m256i mlo = first8(n, 0), mhi = first8(n, 8);
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, _mm256_maskload_ps(p, mlo), _mm256_castsi256_ps(mlo)),
+          _mm256_blendv_ps(f, _mm256_maskload_ps(p + 8, mhi), _mm256_castsi256_ps(mhi))};
+}
+inline __m256 widen8(__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); }
+inline Vec widen_bf16(__m256i x) { return {widen8(_mm256_castsi256_si128(x)), widen8(_mm256_extracti128_si256(x, 1))}; }
+inline Vec load_bf16(const BFloat16* p, int64_t n = 16) {
+  if (n >= 16) return widen_bf16(_mm256_loadu_si256((const __m256i*)p));
+  alignas(32) uint16_t tail[16] = {};
+  std::memcpy(tail, p, std::max<int64_t>(n, 0) * 2);
+  return widen_bf16(_mm256_load_si256((const __m256i*)tail));
+}
+// Eight fp32 lanes to bf16 bits in their 32-bit lanes, rounded to nearest even as c10::BFloat16
+// rounds (NaN to the quiet NaN 0x7fc0).
+inline __m256i narrow8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+inline __m256i narrow_bf16(Vec x) {
+  // packus interleaves the 128-bit halves: lo0-3 hi0-3 lo4-7 hi4-7 -> reorder the quarters.
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(narrow8(x.lo), narrow8(x.hi)), 0xd8);
+}
+inline void store_bf16(BFloat16* p, Vec x, int64_t n = 16) {
+  const __m256i bits = narrow_bf16(x);
+  if (n >= 16) {
+    _mm256_storeu_si256((__m256i*)p, bits);
+    return;
+  }
+  alignas(32) uint16_t tail[16];
+  _mm256_store_si256((__m256i*)tail, bits);
+  std::memcpy(p, tail, std::max<int64_t>(n, 0) * 2);
+}
+inline Vec round_bf16(Vec x) { return widen_bf16(narrow_bf16(x)); }
+
+inline __m256 exp8(__m256 x) {
+  const __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLow)), _mm256_set1_ps(kExpHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), c);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  // 2^n from its exponent bits, n in [-126, 128]: 2^128 is not a float, so n = 128 builds
+  // 2^127 and doubles the product (finite below exp's overflow at ~88.72, +inf above it).
+  const __m256 n127 = _mm256_min_ps(n, _mm256_set1_ps(127.0f));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n127), _mm256_set1_epi32(127)), 23);
+  const __m256 twice = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(2.0f), _mm256_cmp_ps(n, n127, _CMP_GT_OQ));
+  return _mm256_mul_ps(_mm256_mul_ps(p, twice), _mm256_castsi256_ps(pow2n));
+}
+inline Vec exp(Vec x) { return {exp8(x.lo), exp8(x.hi)}; }
+
+// Pairs widened: a holds each pair's first value, b its second, as fp32 (a shift and a mask).
+struct Pairs {
+  Vec a, b;
+};
+inline void widen_pairs(__m256i x, __m256& a, __m256& b) {
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u))));
+}
+inline Pairs load_pairs(const BFloat16* p) {
+  Pairs w;
+  widen_pairs(_mm256_loadu_si256((const __m256i*)p), w.a.lo, w.b.lo);
+  widen_pairs(_mm256_loadu_si256((const __m256i*)(p + 16)), w.a.hi, w.b.hi);
+  return w;
+}
+inline Pairs load_pairs_first_only(const BFloat16* p) {
+  Pairs w = load_pairs(p);
+  w.b = zero();
+  return w;
+}
+// Scalars widened once, where they are made, rather than at every broadcast.
+struct Pair {
+  float a, b;
+};
+inline constexpr bool kPairIsTwoBf16 = false;
+inline Pair make_pair(BFloat16 a, BFloat16 b) { return {float(a), float(b)}; }
+inline Pair make_pair(const BFloat16* p) { return make_pair(p[0], p[1]); }
+struct Broadcast {
+  __m256 a, b;
+};
+inline Broadcast broadcast(Pair x) { return {_mm256_set1_ps(x.a), _mm256_set1_ps(x.b)}; }
+inline Vec dot(Vec acc, const Pairs& w, Broadcast x) {
+  return {_mm256_fmadd_ps(w.b.lo, x.b, _mm256_fmadd_ps(w.a.lo, x.a, acc.lo)),
+          _mm256_fmadd_ps(w.b.hi, x.b, _mm256_fmadd_ps(w.a.hi, x.a, acc.hi))};
+}
+
+#else  // none: plain loops
+
+inline constexpr const char* kIsa = "none";
+inline constexpr int kRegisters = 16;
+inline constexpr int kRegistersPerVec = 2;
+inline constexpr bool kBf16Arithmetic = false;
+
+struct Vec {
+  float v[16];
+};
+template <typename F>
+inline Vec map(F f) {
+  Vec r;
+  for (int j = 0; j < 16; j++) r.v[j] = f(j);
+  return r;
+}
+inline Vec zero() { return map([](int) { return 0.0f; }); }
+inline Vec set1(float x) { return map([x](int) { return x; }); }
+inline Vec add(Vec a, Vec b) { return map([&](int j) { return a.v[j] + b.v[j]; }); }
+inline Vec sub(Vec a, Vec b) { return map([&](int j) { return a.v[j] - b.v[j]; }); }
+inline Vec mul(Vec a, Vec b) { return map([&](int j) { return a.v[j] * b.v[j]; }); }
+inline Vec div(Vec a, Vec b) { return map([&](int j) { return a.v[j] / b.v[j]; }); }
+inline Vec max(Vec a, Vec b) { return map([&](int j) { return a.v[j] > b.v[j] ? a.v[j] : b.v[j]; }); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return map([&](int j) { return std::fma(a.v[j], b.v[j], c.v[j]); }); }
+inline float reduce_add(Vec x) {
+  float s = 0;
+  for (float v : x.v) s += v;
+  return s;
+}
+inline float reduce_max(Vec x) {
+  float m = x.v[0];
+  for (float v : x.v) m = v > m ? v : m;
+  return m;
+}
+inline Vec keep_first(Vec x, int64_t n, Vec fill) { return map([&](int j) { return j < n ? x.v[j] : fill.v[j]; }); }
+inline Vec where_greater(Vec a, Vec b, Vec x) { return map([&](int j) { return a.v[j] > b.v[j] ? x.v[j] : 0.0f; }); }
+inline uint32_t positive_lanes(Vec x) {
+  uint32_t bits = 0;
+  for (int j = 0; j < 16; j++) bits |= uint32_t(x.v[j] > 0) << j;
+  return bits;
+}
+inline Vec load_first(const float* p, int64_t n, float fill) { return map([&](int j) { return j < n ? p[j] : fill; }); }
+inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return map([&](int j) { return j < n ? float(p[j]) : 0.0f; }); }
+inline void store_bf16(BFloat16* p, Vec x, int64_t n = 16) {
+  for (int j = 0; j < 16 && j < n; j++) p[j] = BFloat16(x.v[j]);
+}
+inline Vec round_bf16(Vec x) { return map([&](int j) { return float(BFloat16(x.v[j])); }); }
+inline Vec exp(Vec x) {
+  return map([&](int j) {
+    const float c = std::min(std::max(x.v[j], kExpLow), kExpHigh), n = std::nearbyint(c * kLog2e);
+    const float r = std::fma(-n, kLn2, c);
+    float p = kExpPoly[0];
+    for (int i = 1; i < 7; i++) p = std::fma(p, r, kExpPoly[i]);
+    return std::ldexp(p, int(n));
+  });
+}
+
+struct Pairs {
+  Vec a, b;
+};
+inline Pairs load_pairs(const BFloat16* p) {
+  return {map([&](int j) { return float(p[2 * j]); }), map([&](int j) { return float(p[2 * j + 1]); })};
+}
+inline Pairs load_pairs_first_only(const BFloat16* p) { return {load_pairs(p).a, zero()}; }
+struct Pair {
+  float a, b;
+};
+inline constexpr bool kPairIsTwoBf16 = false;
+inline Pair make_pair(BFloat16 a, BFloat16 b) { return {float(a), float(b)}; }
+inline Pair make_pair(const BFloat16* p) { return make_pair(p[0], p[1]); }
+using Broadcast = Pair;
+inline Broadcast broadcast(Pair x) { return x; }
+inline Vec dot(Vec acc, const Pairs& w, Broadcast x) {
+  return map([&](int j) { return std::fma(w.b.v[j], x.b, std::fma(w.a.v[j], x.a, acc.v[j])); });
+}
+
+#endif
+
+}  // namespace nanovllm_cpu::simd
+
+namespace nanovllm_cpu {
+using at::BFloat16;
+}  // namespace nanovllm_cpu
