@@ -142,8 +142,10 @@ def test_decode_steps_through_the_graph_buffers_give_the_eager_tokens(checkpoint
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 3, 5, 5, 6, 8)]
     tokens = []
     for graphs in (False, True):
+        # Eager layers: the replay's buffers are the CUDA path's, which the CPU's compiled
+        # layers were never warmed up on.
         llm = LLM(str(checkpoint), dtype="float32", device="cpu", num_kvcache_blocks=32, max_model_len=64,
-                  max_num_seqs=6)
+                  max_num_seqs=6, enforce_eager=True)
         runner = llm.llm_engine.executor
         if graphs:
             runner.cuda_graphs = EagerReplay(runner.model, runner.backend, 6, 64, runner.block_size, runner.device)

@@ -9,6 +9,7 @@ layers run, compiled unless in fp32.
 
 import contextlib
 import ctypes
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -80,10 +81,9 @@ class CPUPlatform(Platform):
     def __init__(self, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup):
         keep_freed_memory_mapped()
         self.dtype = dtype
-        # fp32 stays the exact reference path (the parity tests run there, eager and fast to
-        # start); tensor parallelism runs eager (collectives inside the graph are not worth a
-        # compile on CPU).
-        self.compiled = not enforce_eager and dtype != torch.float32 and tp_group.world_size == 1
+        # enforce_eager is the exact reference; tensor parallelism runs eager (collectives
+        # inside the graph are not worth a compile on CPU).
+        self.compiled = not enforce_eager and tp_group.world_size == 1
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype != torch.bfloat16 or not cpu_kernels.has_simd_kernels():
@@ -103,13 +103,19 @@ class CPUPlatform(Platform):
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
+        # Earlier engines' garbage is collected now rather than mid-trace, where a finalizer
+        # that changes global state (a tensor-parallel executor's restores the thread count)
+        # makes Dynamo abort the trace.
+        gc.collect()
         compile_decoder_layers(model.model)
         warmup()
+        self.warm_thread_counts = {torch.get_num_threads()}
         seconds = time.perf_counter() - start
         logger.info("compiled the decoder layers for CPU in %.1f s", seconds)
         return seconds
 
-    def step_context(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def step_context(self):
         """With compiled layers: Dynamo checks only the guards that tell its cached graphs apart
         (none, with one graph), not all of each graph's guards on every layer call. The skipped
         guards could only catch a step whose inputs differ from the warm-up's, and none does: it
@@ -117,8 +123,16 @@ class CPUPlatform(Platform):
         layer, and steps pass the same dtypes, devices and static shapes. Engines of other shapes
         in the process compile their own graphs at their own warm-up (guards on), which the
         remaining guards tell apart; a step that matched no graph would raise, not recompile.
-        The stance is Dynamo's process-wide setting: compiled code of the user's running in
-        another thread during a step skips its guards too."""
-        if self.compiled:
-            return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-        return contextlib.nullcontext()
+        One thing a user may change under the engine is the intra-op thread count, which
+        Dynamo's graphs guard on: the first step at a count no graph has seen yet runs with the
+        guards on and compiles for it (seconds, once). The stance is Dynamo's process-wide
+        setting: compiled code of the user's running in another thread during a step skips its
+        guards too."""
+        threads = torch.get_num_threads()
+        if not self.compiled or threads not in self.warm_thread_counts:
+            yield
+            if self.compiled:
+                self.warm_thread_counts.add(threads)
+            return
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            yield

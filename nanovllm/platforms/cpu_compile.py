@@ -2,6 +2,8 @@
 time into one graph that serves every step (prefill, decode and mixed), rounding as eager does.
 """
 
+import types
+
 import torch
 from torch import nn
 
@@ -53,19 +55,32 @@ class LayerGroup(nn.Module):
         return hidden, residual
 
 
+def with_own_code(cls: type, name: str) -> type:
+    """A subclass of `cls` whose method `name` runs a copy of its code object. Dynamo keeps the
+    graphs it compiled for a function on the function's code object, at most recompile_limit
+    (8) of them: every engine made in a process (tests make dozens) would add its own to one
+    shared list until Dynamo refused to compile; with a copy each engine's graphs are its own
+    and go with it."""
+    method = getattr(cls, name)
+    code = method.__code__.replace()  # a new code object, equal to the old
+    copy = types.FunctionType(code, method.__globals__, method.__name__, method.__defaults__, method.__closure__)
+    return type(cls.__name__, (cls,), {name: copy, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
 def compile_decoder_layers(decoder: nn.Module) -> None:
     """Replace `decoder.layers` (called in turn as layer(positions, hidden, residual)) by
     compiled groups of LAYERS_PER_GRAPH of them, which the decoder calls the same way.
 
-    Groups of layers, not the whole model: every group of every model of one shape shares a
-    single compiled graph (parameters and cache are graph inputs), so a model's layers compile
-    once (a last, shorter group adds a graph) and a second engine in the same process compiles
-    nothing; the whole model as one graph compiles many times longer. Attention is one opaque op
+    Groups of layers, not the whole model: every group of the model shares a single compiled
+    graph (parameters and cache are graph inputs), so a model's layers compile once (a last,
+    shorter group adds a graph; another engine compiles its own, mostly from Inductor's caches);
+    the whole model as one graph compiles many times longer. Attention is one opaque op
     and the linear op picks its kernel by row count at run time, so one graph serves prefill,
     decode and mixed steps alike. Weights are loaded by then: the groups' parameter names no
     longer matter."""
     layers = list(decoder.layers)
-    groups = [LayerGroup(layers[i:i + LAYERS_PER_GRAPH]) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
+    group_class = with_own_code(LayerGroup, "forward")
+    groups = [group_class(layers[i:i + LAYERS_PER_GRAPH]) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
     for group in groups:
         compile_with_dynamic_tokens(group)
     decoder.layers = nn.ModuleList(groups)
