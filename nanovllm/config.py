@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PretrainedConfig
 
+from nanovllm.startup import phase as startup_phase
+
 if TYPE_CHECKING:
     from nanovllm.loader.checkpoint import Checkpoint
 
@@ -51,7 +53,8 @@ class EngineConfig:
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
-        self._resolve_model()
+        with startup_phase("checkpoint header and config"):
+            self._resolve_model()
         self._resolve_device_and_dtype()
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if self.max_model_len is None:

@@ -1,7 +1,10 @@
 """`LLM`: the offline entry point, as in vLLM (`LLM(model).generate(prompts, params)`)."""
 
+import time
+
 from tqdm.auto import tqdm
 
+from nanovllm.startup import log_breakdown
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
@@ -10,7 +13,9 @@ from nanovllm.sampling_params import SamplingParams, check_text
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
+        start = time.perf_counter()
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        log_breakdown(time.perf_counter() - start)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import logging
 import subprocess
 import sys
 import types
@@ -151,6 +152,23 @@ def test_plugged_command_gets_its_arguments(monkeypatch):
     # Other commands never import it.
     monkeypatch.setitem(cli._PLUGGED_COMMANDS, "bench", ("nanovllm.entrypoints._not_written", "bench"))
     assert cli.main(["generate", "hi", "--model", "/nonexistent"]) == 1
+
+
+def test_debug_log_level_prints_the_start_up_breakdown(tiny_model, caplog, capsys):
+    """--log-level debug: each phase as it ends, then one line with all of them."""
+    logger = logging.getLogger("nanovllm")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="nanovllm"):
+            assert cli.main(["generate", "hi", "--model", tiny_model, "--max-tokens", "2", "--log-level", "debug"]) == 0
+    finally:  # the handler configure_logging added writes to this test's captured stderr
+        logger.handlers.clear()
+        logger.setLevel(logging.NOTSET)
+    messages = [r.getMessage() for r in caplog.records if r.name == "nanovllm.startup"]
+    ready = [m for m in messages if "ready after" in m]
+    assert len(ready) == 1 and messages[-1] == ready[0]
+    for phase in ("checkpoint header and config", "tokenizer", "model and weights", "repack weights", "KV cache",
+                  "compile and warm-up"):
+        assert f"{phase}" in ready[0] and any(m.startswith(f"start-up: {phase}") for m in messages)
 
 
 # --- generate and chat on a tiny model -----------------------------------------------------------

@@ -8,6 +8,7 @@ use; `step` returns a RequestOutput for every request that advanced, with cumula
 import logging
 from itertools import count
 
+from nanovllm.startup import phase as startup_phase
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = config.checkpoint.tokenizer()
+        with startup_phase("tokenizer"):
+            self.tokenizer = config.checkpoint.tokenizer()
         self.eos_token_ids = config.checkpoint.eos_token_ids(config.hf_config, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self.executor = make_executor(config)

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import torch
 
+from nanovllm.startup import phase as startup_phase
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.attention.selector import make_attention_backend
 from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
@@ -41,14 +42,16 @@ class ModelRunner:
         first = self.attn_layers[0]
         self.backend = make_attention_backend(self.device, config.torch_dtype, first.num_heads, first.num_kv_heads,
                                               first.head_dim, self.block_size)
-        self.num_kvcache_blocks = self._num_kv_blocks()
-        self._allocate_kv_cache()
+        with startup_phase("KV cache"):
+            self.num_kvcache_blocks = self._num_kv_blocks()
+            self._allocate_kv_cache()
         self.cuda_graphs = None  # decode steps replay captured graphs when set
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, config.max_model_len,
                                                self.block_size, self.device)
             self.cuda_graphs.capture()
-        self.compile_seconds = self.platform.compile(self.model, self._warmup)
+        with startup_phase("compile and warm-up"):
+            self.compile_seconds = self.platform.compile(self.model, self._warmup)
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
@@ -56,17 +59,19 @@ class ModelRunner:
         config = self.config
         model_cls = get_model_class(config.hf_config)
         default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.torch_dtype)
-        try:
-            with torch.device(self.device):
-                model = model_cls(config.hf_config, self.tp_group)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        load_weights(model, config.checkpoint.weights(config.torch_dtype))
-        for module in model.modules():
-            if hasattr(module, "linear_method"):
-                module.linear_method.process_weights_after_loading(module)
-        self.platform.prepare_model(model)
+        with startup_phase("model and weights"):
+            torch.set_default_dtype(config.torch_dtype)
+            try:
+                with torch.device(self.device):
+                    model = model_cls(config.hf_config, self.tp_group)
+            finally:
+                torch.set_default_dtype(default_dtype)
+            load_weights(model, config.checkpoint.weights(config.torch_dtype))
+            for module in model.modules():
+                if hasattr(module, "linear_method"):
+                    module.linear_method.process_weights_after_loading(module)
+        with startup_phase("repack weights for the platform"):
+            self.platform.prepare_model(model)
         return model.eval()
 
     @property

@@ -16,7 +16,7 @@ from itertools import count
 from types import ModuleType
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
+from nanovllm.entrypoints.engine_args import add_engine_arguments, configure_logging, engine_kwargs
 
 if TYPE_CHECKING:
     from nanovllm import LLM, RequestOutput, SamplingParams
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         args = _build_parser(command).parse_args(argv)
+        configure_logging(getattr(args, "log_level", None) or ("info" if command == "serve" else None))
         return args.run(args)
     except (ValueError, OSError) as e:  # OSError covers FileNotFoundError
         print(f"error: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ functions, so a flag means the same thing everywhere and its default is `EngineC
 
 import argparse
 import dataclasses
+import logging
 from typing import Any
 
 from nanovllm.config import DTYPES, EngineConfig
@@ -41,14 +42,31 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
 ]
 
 
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the engine flags (defaults are EngineConfig's) to `parser` as their own help group."""
+    """Add the engine flags (defaults are EngineConfig's) to `parser` as their own help group,
+    and --log-level."""
     group = parser.add_argument_group("engine options")
     for flags, kwarg, options in _ENGINE_FLAGS:
         options = {"default": _DEFAULTS[kwarg], **options}
         if options["default"] is not None and "action" not in options:
             options["help"] += " (default: %(default)s)"
         group.add_argument(*flags, dest=kwarg, **options)
+    group.add_argument("--log-level", choices=LOG_LEVELS,
+                       help="what nano-vllm logs to stderr (default: warning; serve: info, uvicorn's too); "
+                            "debug adds how long each phase of start-up took")
+
+
+def configure_logging(level: str | None) -> None:
+    """nano-vllm's loggers (not other libraries') print to stderr from `level` up."""
+    logger = logging.getLogger("nanovllm")
+    logger.setLevel((level or "warning").upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

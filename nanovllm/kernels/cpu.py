@@ -101,11 +101,13 @@ def available() -> bool:
     key = hashlib.sha256(b"\0".join(fingerprint)).hexdigest()[:16]
     try:
         from torch.utils.cpp_extension import load
+        from nanovllm.startup import phase as startup_phase
         # -fopenmp: at::parallel_for is a header template whose OpenMP pragmas compile into the
         # extension; without the flag it silently runs on one thread. The libgomp this links
         # resolves to the one torch already loaded (same soname), so there is one thread pool.
-        load(name=f"nanovllm_cpu_{variant}_{key}", sources=_SOURCES, extra_cflags=["-O3", "-fopenmp", *flags],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with startup_phase(f"CPU kernels ({variant}: build or load)"):
+            load(name=f"nanovllm_cpu_{variant}_{key}", sources=_SOURCES, extra_cflags=["-O3", "-fopenmp", *flags],
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, an unsupported platform...
         logger.warning("nano-vllm CPU kernels could not be built (%s); using plain PyTorch, which is slower", e)
         return False

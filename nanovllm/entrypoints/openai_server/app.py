@@ -64,8 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGINT/SIGTERM, how long in-flight requests may run before they are aborted "
                             "(default: %(default)s)")
-    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn's log level (default: %(default)s)")
     add_engine_arguments(parser)
 
 
@@ -92,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     app = build_app(engine, model_name, metrics, host=args.host, api_key=args.api_key or None,
                     max_body_bytes=args.max_request_body_bytes, allowed_origins=allowed_origins,
                     max_prompts=args.max_prompts_per_request)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level or "info", lifespan="off",
                             http=functools.partial(ReadTimeoutH11Protocol, read_timeout=args.request_read_timeout),
                             # A backstop: our own timer aborts in-flight requests before this.
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
