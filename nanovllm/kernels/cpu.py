@@ -161,11 +161,11 @@ def packed_max_rows() -> int:
     """Rows up to which the packed kernel beats oneDNN (on its own packed weights). It streams
     the weights at memory speed for a few rows; on AVX512-BF16 without AMX it stays ahead of
     oneDNN's GEMM to about 100 rows, with AMX tiles oneDNN's GEMM is several times faster than
-    any AVX-512 kernel once there are rows enough to fill them, and on AVX2 oneDNN's fp32 GEMM
-    wins from a handful of rows (measurements in benchmarks/RESULTS.md)."""
+    any AVX-512 kernel once there are rows enough to fill them, and on AVX2 oneDNN's fp32 GEMM,
+    which reads twice the bytes, catches up at 32-64 rows (measurements in benchmarks/RESULTS.md)."""
     if isa() == "avx512":
         return 16 if "amx_bf16" in _cpu_flags() else 96
-    return 4
+    return 32
 
 
 def packed_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
