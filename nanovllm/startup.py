@@ -29,5 +29,5 @@ def log_breakdown(total_seconds: float) -> None:
     """One line of the phases recorded since the last breakdown, then start afresh (a process
     may start several engines)."""
     parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in _phases)
-    logger.debug("start-up: ready after %.2f s (%s)", total_seconds, parts)
+    logger.debug("start-up: engine ready, built in %.2f s; phases: %s", total_seconds, parts)
     _phases.clear()

@@ -164,7 +164,7 @@ def test_debug_log_level_prints_the_start_up_breakdown(tiny_model, caplog, capsy
         logger.handlers.clear()
         logger.setLevel(logging.NOTSET)
     messages = [r.getMessage() for r in caplog.records if r.name == "nanovllm.startup"]
-    ready = [m for m in messages if "ready after" in m]
+    ready = [m for m in messages if "engine ready" in m]
     assert len(ready) == 1 and messages[-1] == ready[0]
     for phase in ("checkpoint header and config", "tokenizer", "model and weights", "repack weights", "KV cache",
                   "compile and warm-up"):
