@@ -1,13 +1,18 @@
 """The CPU kernels' variants (NANOVLLM_CPU_ISA): the kernel tests run again, in a process of
-their own, under every variant this CPU executes besides the one this process built, and a
-variant that cannot run here, or does not exist, is refused with a clear error."""
+their own, under every variant this CPU executes besides the one this process built; the engine
+runs with the kernels off (`none`, what an ARM or older x86 CPU gets) and gives the greedy
+tokens it gives with them; and a variant that cannot run here, or does not exist, is refused
+with a clear error."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from conftest import make_tiny_checkpoint
+from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
 
 KERNEL_TESTS = os.path.join(os.path.dirname(__file__), "test_cpu_kernels.py")
@@ -27,6 +32,31 @@ def test_kernel_tests_pass_under_each_variant(variant):
     result = run_with_isa(variant, "-m", "pytest", "-q", "-p", "no:cacheprovider", KERNEL_TESTS)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and " skipped" not in result.stdout, result.stdout[-2000:]
+
+
+GREEDY_SCRIPT = """
+import json, sys
+from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import cpu
+llm = LLM(sys.argv[1], num_kvcache_blocks=32)
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                    use_tqdm=False)
+print(json.dumps({"isa": cpu.isa(), "dtype": llm.llm_engine.config.dtype, "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def test_the_engine_runs_with_the_kernels_off(tmp_path):
+    """`none`: dtype auto is fp32 and the layers are plain PyTorch (compiled); fp32 greedy tokens
+    equal this process's fp32 engine's, whatever its variant."""
+    path = str(make_tiny_checkpoint(tmp_path, "LlamaForCausalLM"))
+    prompts = [[5, 17, 42, 7], list(range(30, 70))]
+    expected = LLM(path, dtype="float32", num_kvcache_blocks=32).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    result = run_with_isa("none", "-c", GREEDY_SCRIPT, path, json.dumps(prompts))
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["isa"] == "none" and out["dtype"] == "float32"
+    assert out["tokens"] == [o.outputs[0].token_ids for o in expected]
 
 
 @pytest.mark.parametrize("variant, message", [("avx9000", "is not a kernel variant"), ("avx512", "cannot execute")])
