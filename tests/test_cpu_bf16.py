@@ -123,8 +123,7 @@ def test_compiled_layers_round_like_eager(engines):
 
 def test_first_steps_compile_nothing():
     """Start-up's warm-up compiles the graph that steps run, so a new engine's first prefill and
-    decodes compile nothing (steps skip Dynamo's guards, where a step needing a new graph
-    would raise). Dynamo's caches are emptied first: the layers called by hand above, outside
+    decodes compile nothing (steps call the compiled code without Dynamo). Dynamo's caches are emptied first: the layers called by hand above, outside
     any step, would otherwise have compiled a step's graph already."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()

@@ -163,7 +163,7 @@ class ModelRunner:
             hidden = self.cuda_graphs.run(input_ids, positions, layout)
         else:
             metadata = self.backend.prepare(layout)
-            with forward_context(self.backend, metadata), self.platform.step_context():
+            with forward_context(self.backend, metadata):
                 hidden = self.model(input_ids, positions)
         return self._sample(batch, hidden)
 

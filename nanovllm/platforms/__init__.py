@@ -1,12 +1,11 @@
 """What differs per device, behind one small interface the model runner asks: how to prepare a
-loaded model (repack weights, swap in kernel-backed modules), where the KV cache lives, whether
-and how to compile, and what to hold around each step. Layers and models never ask.
+loaded model (repack weights, swap in kernel-backed modules), where the KV cache lives, and
+whether and how to compile. Layers and models never ask.
 
 CUDA's own pieces (graph capture, memory sizing) are still in engine/cuda_graph.py and
 engine/gpu_memory.py; the CUDA platform here only keeps the defaults.
 """
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -31,9 +30,6 @@ class Platform:
         """Compile what this platform compiles; `warmup` runs a one-token step through the model.
         Returns the seconds it took."""
         return 0.0
-
-    def step_context(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
 
 def get_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup) -> Platform:

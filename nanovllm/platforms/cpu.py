@@ -1,5 +1,5 @@
 """The CPU platform: the compiled kernels where the machine runs them, torch.compile of the
-decoder layers, memory settings for steps and the KV cache, and Dynamo's guard stance for steps.
+decoder layers, and memory settings for steps and the KV cache.
 
 In bf16 on a machine that runs the bf16 kernels (nanovllm/kernels/cpu.py), every linear layer
 and the LM head take the packed CPU method, and RMSNorm and the gated SiLU become modules that
@@ -7,7 +7,6 @@ call the elementwise kernels (rounding where the eager layers do). Elsewhere the
 layers run, compiled unless in fp32.
 """
 
-import contextlib
 import ctypes
 import gc
 import logging
@@ -24,7 +23,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.quantization import UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.platforms import Platform
-from nanovllm.platforms.cpu_compile import compile_decoder_layers
+from nanovllm.platforms.cpu_compile import call_directly, compile_decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,8 @@ class CPUPlatform(Platform):
 
     def compile(self, model: nn.Module, warmup: Callable[[], None]) -> float:
         """Compile the decoder layers (see cpu_compile) now rather than in the first request:
-        `warmup` runs a step's kind of inputs through them."""
+        `warmup` runs a step's kind of inputs through them, and steps then call the compiled
+        code directly."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
@@ -109,30 +109,7 @@ class CPUPlatform(Platform):
         gc.collect()
         compile_decoder_layers(model.model)
         warmup()
-        self.warm_thread_counts = {torch.get_num_threads()}
+        call_directly(model.model)
         seconds = time.perf_counter() - start
         logger.info("compiled the decoder layers for CPU in %.1f s", seconds)
         return seconds
-
-    @contextlib.contextmanager
-    def step_context(self):
-        """With compiled layers: Dynamo checks only the guards that tell its cached graphs apart
-        (none, with one graph), not all of each graph's guards on every layer call. The skipped
-        guards could only catch a step whose inputs differ from the warm-up's, and none does: it
-        ran a step's kind of inputs (inference tensors, an unbacked token count) through every
-        layer, and steps pass the same dtypes, devices and static shapes. Engines of other shapes
-        in the process compile their own graphs at their own warm-up (guards on), which the
-        remaining guards tell apart; a step that matched no graph would raise, not recompile.
-        One thing a user may change under the engine is the intra-op thread count, which
-        Dynamo's graphs guard on: the first step at a count no graph has seen yet runs with the
-        guards on and compiles for it (seconds, once). The stance is Dynamo's process-wide
-        setting: compiled code of the user's running in another thread during a step skips its
-        guards too."""
-        threads = torch.get_num_threads()
-        if not self.compiled or threads not in self.warm_thread_counts:
-            yield
-            if self.compiled:
-                self.warm_thread_counts.add(threads)
-            return
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            yield
