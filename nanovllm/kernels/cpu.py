@@ -13,7 +13,7 @@ extensions directory under a name that hashes every source and header with its p
 torch version and the variant's flags, so an edit to any of them, an upgrade or another
 variant builds afresh and a warm cache loads in well under a second. The paths are in the name
 because the build remembers where its sources were: two checkouts of the same sources sharing
-one build would rebuild it (~50 s on two cores: each file parses torch's headers) at every
+one build would rebuild it (~35 s on two cores: each file parses torch's headers) at every
 switch between them. Without a working compiler `available()` is False and callers fall back
 to plain PyTorch.
 

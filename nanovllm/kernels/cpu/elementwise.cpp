@@ -6,6 +6,9 @@
 #include "ops.h"
 #include "simd.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>

@@ -10,6 +10,9 @@
 #include "simd.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linear.h>
 
 #include <algorithm>
 #include <array>

@@ -3,6 +3,8 @@
 #include "ops.h"
 #include "simd.h"
 
+#include <ATen/ops/empty.h>
+
 #include <cstring>
 #include <limits>
 

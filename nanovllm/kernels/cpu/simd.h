@@ -15,8 +15,8 @@
 
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
