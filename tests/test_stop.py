@@ -29,11 +29,11 @@ def test_length_ends_at_max_tokens_or_max_model_len():
     assert checker.check(1, num_output_tokens=1, num_tokens=8) == ("length", None)
 
 
-def run_text(text: str, params: SamplingParams, stop_token: int | None = None):
+def run_text(text: str, params: SamplingParams, stop_token: int | None = None, max_tokens: int = 100):
     """Feed `text`'s tokens (then stop_token, if given) until the checker ends the sequence."""
     tokenizer = make_tiny_tokenizer(320)
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt"), params)
-    checker = StopChecker(params, max_tokens=100, eos_token_ids={EOS}, detokenizer=detokenizer)
+    checker = StopChecker(params, max_tokens=max_tokens, eos_token_ids={EOS}, detokenizer=detokenizer)
     tokens = tokenizer.encode(text) + ([stop_token] if stop_token is not None else [])
     for n, token in enumerate(tokens, start=1):
         stop = checker.check(token, num_output_tokens=n, num_tokens=n + 1)
@@ -44,6 +44,10 @@ def run_text(text: str, params: SamplingParams, stop_token: int | None = None):
 
 def test_stop_strings_and_the_text_of_stop_tokens():
     assert run_text("the cat sat", SamplingParams(stop=["cat"])) == (("stop", "cat"), "the ")
+    # Completed by the last token max_tokens allows: a stop, as in vLLM, not "length".
+    last = len(make_tiny_tokenizer(320).encode("the cat"))
+    assert run_text("the cat sat", SamplingParams(stop=["cat"]), max_tokens=last) == (("stop", "cat"), "the ")
+    assert run_text("the cat sat", SamplingParams(stop=["cat"]), max_tokens=last - 1)[0] == ("length", None)
     # Before min_tokens a stop string does not count.
     assert run_text("ab cd", SamplingParams(stop=["ab"], min_tokens=3)) == (None, "ab cd")
     eos_text = make_tiny_tokenizer(320).decode([EOS])

@@ -53,13 +53,12 @@ class StopChecker:
         # A stop token's own text is left out, as vLLM does, unless asked for.
         if self.detokenizer is not None and (stop is None or self.include_stop_str_in_output):
             stop_string = self.detokenizer.add_token(token, check_stop=may_stop)
+        # A stop string completed by the last token the length limit allows is a stop, as in vLLM.
+        if stop is None and stop_string is not None:
+            stop = ("stop", stop_string)
         if stop is None and (self._at_limit(self.max_tokens, num_output_tokens)
                              or self._at_limit(self.max_model_len, num_tokens)):
             stop = ("length", None)
-        # The length limit wins over a stop string completed by the same token (whose text is
-        # cut all the same).
-        if stop is None and stop_string is not None:
-            stop = ("stop", stop_string)
         return stop
 
     @staticmethod
