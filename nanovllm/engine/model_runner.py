@@ -12,7 +12,6 @@ import os
 import numpy as np
 import torch
 
-from nanovllm.startup import phase as startup_phase
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.attention.selector import make_attention_backend
 from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
@@ -25,6 +24,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.platforms import get_platform
+from nanovllm.startup import phase as startup_phase
 
 GiB = 1 << 30
 logger = logging.getLogger(__name__)

@@ -37,6 +37,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from nanovllm.startup import phase as startup_phase
+
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = os.path.join(os.path.dirname(__file__), "cpu")
@@ -101,7 +103,6 @@ def available() -> bool:
     key = hashlib.sha256(b"\0".join(fingerprint)).hexdigest()[:16]
     try:
         from torch.utils.cpp_extension import load
-        from nanovllm.startup import phase as startup_phase
         # -fopenmp: at::parallel_for is a header template whose OpenMP pragmas compile into the
         # extension; without the flag it silently runs on one thread. The libgomp this links
         # resolves to the one torch already loaded (same soname), so there is one thread pool.

@@ -17,8 +17,6 @@ from nanovllm.distributed.parallel_state import TPGroup
 class Platform:
     """The defaults: nothing to prepare, an ordinary cache tensor, eager steps."""
 
-    compiled = False  # whether the model's decoder layers run compiled
-
     def prepare_model(self, model: nn.Module) -> None:
         """Called once the weights are loaded."""
 

@@ -72,7 +72,8 @@ void linear_packed_impl(const BFloat16* x, int64_t x_stride, const BFloat16* pac
                         BFloat16* y, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t kRowBlock = 256;
   const int64_t K2 = (K + 1) / 2, panels = (N + 15) / 16;
-  std::vector<simd::Pair> interleaved;
+  // Reused from call to call (a step makes a hundred); every pair is written below.
+  static thread_local std::vector<simd::Pair> interleaved;
   const simd::Pair* xp = reinterpret_cast<const simd::Pair*>(x);
   if (!simd::kPairIsTwoBf16 || M > 1 || K % 2) {
     interleaved.resize(K2 * M);
