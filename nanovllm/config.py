@@ -46,6 +46,9 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
+    # None: a GGUF file runs its own block formats where the platform multiplies them; "dense":
+    # every weight dequantized at load; "q8_0"/"q4_0": a Hugging Face checkpoint quantized at load.
+    quantization: str | None = None
     # Resolved in __post_init__.
     model_path: str = field(init=False)
     checkpoint: "Checkpoint" = field(init=False)  # the format, decided once
@@ -73,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}; "
+                             f"got {self.quantization!r}")
+        self.checkpoint.block_types(self.quantization)  # refuses a quantization the format does not take
 
     def _resolve_model(self):
         from nanovllm.loader.checkpoint import open_checkpoint
@@ -98,6 +105,9 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("dtype='float16' is not supported on CPU; use 'bfloat16' or 'float32'")
         self.torch_dtype = DTYPES[self.dtype]
+
+
+QUANTIZATIONS = (None, "dense", "q8_0", "q4_0")
 
 
 def _check_int(name: str, value, minimum: int):

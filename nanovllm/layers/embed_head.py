@@ -6,7 +6,6 @@ are zero and their logits are trimmed before anyone sees them.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
@@ -22,6 +21,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp_group.rank * self.vocab_per_rank
         self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # How the table is stored and read (a weight format may keep it in blocks).
+        self.linear_method: LinearMethod = UnquantizedLinearMethod()
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
@@ -35,12 +36,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.linear_method.embed(self, input_ids)
         # Ids owned by other ranks look up row 0 and are zeroed, so the all-reduce sums
         # exactly one real row per token.
         local_ids = input_ids - self.vocab_start
         foreign = (local_ids < 0) | (local_ids >= self.vocab_per_rank)
-        y = F.embedding(local_ids.masked_fill(foreign, 0), self.weight)
+        y = self.linear_method.embed(self, local_ids.masked_fill(foreign, 0))
         y = y.masked_fill(foreign.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(y)
 
@@ -49,13 +50,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ W^T over this rank's vocab shard, gathered on rank 0.
 
     A tied head is built the same way and then given the embedding's weight parameter. The
-    weight is the embedding's, so the linear method only multiplies (a kernel's method may
-    repack it at load time).
+    weight is the embedding's, and so is its linear method (a kernel's method may repack it at
+    load time; a weight format may keep it in blocks).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup):
         super().__init__(vocab_size, hidden_size, tp_group=tp_group)
-        self.linear_method: LinearMethod = UnquantizedLinearMethod()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden_size] -> logits [n, vocab_size] on rank 0, None elsewhere."""

@@ -17,7 +17,8 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from nanovllm.loader import gguf
-from nanovllm.loader.safetensors import iter_safetensors
+from nanovllm.loader.quantized import LOAD_TIME_TYPES, QuantizedTensor
+from nanovllm.loader.safetensors import iter_safetensors, matrix_names
 
 # Files that hold a vocabulary; without one, transformers builds an empty tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -58,9 +59,20 @@ class HFCheckpoint:
         ids.update(_as_list(tokenizer.eos_token_id))
         return ids
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor) in the file's dtype; the weight loaders convert."""
-        return iter_safetensors(self.path)
+    def block_types(self, quantization: str | None) -> dict[str, str]:
+        """Tensor name -> GGML type for the tensors to quantize at load (`quantization` q8_0 or
+        q4_0: every matrix; the layers that cannot take blocks load them dense)."""
+        if quantization not in LOAD_TIME_TYPES:
+            return {}
+        return dict.fromkeys(matrix_names(self.path), LOAD_TIME_TYPES[quantization])
+
+    def weights(self, dtype: torch.dtype, blocks: dict[str, str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """(name, tensor) in the file's dtype (the weight loaders convert), those named in
+        `blocks` quantized to its type."""
+        blocks = blocks or {}
+        for name, tensor in iter_safetensors(self.path):
+            yield name, QuantizedTensor.quantize(tensor, blocks[name]) if name in blocks else tensor
 
 
 @dataclass(frozen=True)
@@ -78,8 +90,17 @@ class GGUFCheckpoint:
     def eos_token_ids(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
         return set(gguf.gguf_eos_token_ids(self.path, tokenizer))
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        return gguf.iter_gguf_weights(self.path, dtype)
+    def block_types(self, quantization: str | None) -> dict[str, str]:
+        """Tensor name -> GGML type of the matrices the file stores in blocks the engine can keep
+        (all of them unless `quantization` is "dense")."""
+        if quantization in LOAD_TIME_TYPES:
+            raise ValueError(f"quantization={quantization!r} quantizes a Hugging Face checkpoint at load; "
+                             f"{self.path} is a GGUF file, already quantized: leave quantization unset")
+        return {} if quantization == "dense" else gguf.gguf_block_types(self.path)
+
+    def weights(self, dtype: torch.dtype, blocks: dict[str, str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        return gguf.iter_gguf_weights(self.path, dtype, blocks)
 
 
 Checkpoint = HFCheckpoint | GGUFCheckpoint

@@ -6,8 +6,8 @@ checkpoint of the same model would name and lay them out, and building the token
 model's end-of-sequence ids. The rest of the engine never learns that the weights came from GGUF.
 
 A file's header is read by gguf_reader (metadata and tensor views, without the tokenizer's
-arrays) once per load (`_read`); tensors are dequantized with gguf-py's vectorized numpy
-kernels.
+arrays) once per load (`_read`); tensors the engine keeps in blocks are yielded as the file's
+blocks, the others dequantized with gguf-py's vectorized numpy kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen3Config
 
 from nanovllm.loader.gguf_reader import GGUFHeader, TensorInfo, read_gguf_header
+from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +172,24 @@ def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_param_name, tensor)` for every tensor in the file, dequantized to `dtype`.
+def gguf_block_types(path: str) -> dict[str, str]:
+    """HF name -> GGML type of the file's weight matrices stored in a format the engine can keep
+    in blocks (loader/quantized.py)."""
+    tensors = _read(path).tensors.values()
+    return {_hf_name(t.name): t.tensor_type.name for t in tensors
+            if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2}
+
+
+def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
+                      blocks: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield `(hf_param_name, tensor)` for every tensor in the file: those named in `blocks` as
+    their file's blocks (QuantizedTensor, which must be of the type given), the rest dequantized
+    to `dtype`.
 
     Names and tensor types are all checked before the first tensor is yielded, so an unsupported
     file fails at once rather than halfway through loading.
     """
+    blocks = blocks or {}
     gguf_file = _read(path)
     meta = gguf_file.metadata
     arch = _architecture(meta)
@@ -190,14 +203,24 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32) -> Iterator
     n_heads = meta.get(f"{arch}.attention.head_count")
     permuted_heads = {"attn_q": n_heads, "attn_k": meta.get(f"{arch}.attention.head_count_kv", n_heads)}
     for t in gguf_file.tensors.values():
-        array = dequantize(t.data, t.tensor_type).reshape(t.shape)
-        if not array.flags.writeable:  # F32 comes back as a view of the read-only mapping
-            array = array.copy()
-        tensor = torch.from_numpy(array).to(dtype)
+        name = _hf_name(t.name)
+        if name in blocks:
+            if blocks[name] != t.tensor_type.name:
+                raise ValueError(f"GGUF tensor {t.name!r} is {t.tensor_type.name}, not {blocks[name]}")
+            # A copy: the mapping is read-only, and the weight must not keep the file mapped.
+            tensor = QuantizedTensor(torch.from_numpy(t.data.copy()), t.tensor_type.name, t.shape[1])
+        else:
+            array = dequantize(t.data, t.tensor_type).reshape(t.shape)
+            if not array.flags.writeable:  # F32 comes back as a view of the read-only mapping
+                array = array.copy()
+            tensor = torch.from_numpy(array).to(dtype)
         base = t.name.split(".")[-2]
         if arch == "llama" and base in permuted_heads:  # qwen2/qwen3 converters do not permute
-            tensor = _unpermute_rows(tensor, permuted_heads[base])
-        yield _hf_name(t.name), tensor
+            if isinstance(tensor, QuantizedTensor):  # whole rows move: blocks move with them
+                tensor.blocks = _unpermute_rows(tensor.blocks, permuted_heads[base])
+            else:
+                tensor = _unpermute_rows(tensor, permuted_heads[base])
+        yield name, tensor
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

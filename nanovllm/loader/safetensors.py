@@ -31,6 +31,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
 
 
+def matrix_names(model_dir: str | Path) -> list[str]:
+    """Names of the checkpoint's 2-D tensors, from the files' headers."""
+    names = []
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names += [name for name in f.keys() if len(f.get_slice(name).get_shape()) == 2]
+    return names
+
+
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) for every tensor of the checkpoint, one file at a time."""
     for path in safetensors_files(model_dir):

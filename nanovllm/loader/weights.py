@@ -7,11 +7,14 @@ Packed parameters (`qkv_proj`, `gate_up_proj`) are found through the model's
 tensor-parallel shard out of the full checkpoint tensor.
 """
 
+import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # Old Llama checkpoints store the rotary inverse frequencies; we recompute them, so they
 # are the one kind of checkpoint tensor that is expected to land nowhere.
@@ -34,6 +37,56 @@ def _packed_target(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[s
         if part in name:
             return name.replace(part, f".{packed}.", 1), shard_id
     return name, None
+
+
+def _shards_of(mapping: dict[str, tuple[str, object]]) -> dict[str, set[object]]:
+    shards: dict[str, set[object]] = defaultdict(set)
+    for packed, shard_id in mapping.values():
+        shards[packed].add(shard_id)
+    return shards
+
+
+def keep_in_blocks(model: nn.Module, block_types: dict[str, str],
+                   method_for: Callable[[str], object | None]) -> dict[str, str]:
+    """Switch each layer whose checkpoint tensors all come in one block format (`block_types`:
+    checkpoint name -> GGML type) onto the linear method `method_for(type)` gives, where it gives
+    one; returns the checkpoint names to load as blocks. Layers that share a weight (a tied LM
+    head and its embedding) switch together. The others stay dense and their tensors are
+    dequantized: a packed layer whose parts differ in type, a type the platform does not run,
+    or a shard narrower than a block; one log line counts them."""
+    from nanovllm.loader.quantized import block_values
+
+    mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    shards_of = _shards_of(mapping)
+    parts: dict[str, dict[object, tuple[str, str]]] = defaultdict(dict)
+    for name, qtype in block_types.items():
+        target, shard_id = _packed_target(name, mapping)
+        parts[target][shard_id] = (name, qtype)
+    modules = dict(model.named_modules())
+    kept, dense = {}, defaultdict(int)
+    for target, shards in parts.items():
+        module_name, _, param_name = target.rpartition(".")
+        module = modules.get(module_name)
+        if param_name != "weight" or not hasattr(module, "linear_method"):
+            continue
+        qtypes = {qtype for _, qtype in shards.values()}
+        qtype = next(iter(qtypes))
+        method = method_for(qtype) if len(qtypes) == 1 else None
+        if (method is None or shards.keys() != shards_of.get(module_name.split(".")[-1], {None})
+                or module.weight.shape[1] % block_values(qtype)):
+            dense["/".join(sorted(qtypes))] += 1
+            continue
+        old_weight = module.weight
+        method.install(module)
+        for other in model.modules():  # layers tied to this weight take the blocks and the method
+            if other is not module and getattr(other, "weight", None) is old_weight:
+                other.weight, other.linear_method = module.weight, method
+        kept.update(shards.values())
+    if dense:
+        counts = ", ".join(f"{n} {t}" for t, n in sorted(dense.items()))
+        logger.info("dequantizing at load the weights of %d layers this platform does not run in blocks (%s)",
+                    sum(dense.values()), counts)
+    return kept
 
 
 @torch.no_grad()
@@ -63,9 +116,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             raise ValueError(f"checkpoint tensor {name} -> {target}: {e}") from e
         loaded[target].add(shard_id)
 
-    shards_of: dict[str, set[object]] = defaultdict(set)
-    for packed, shard_id in mapping.values():
-        shards_of[packed].add(shard_id)
+    shards_of = _shards_of(mapping)
     missing = []
     for name in params:
         module_name = name.split(".")[-2] if "." in name else ""

@@ -1,6 +1,6 @@
 """What differs per device, behind one small interface the model runner asks: how to prepare a
-loaded model (repack weights, swap in kernel-backed modules), where the KV cache lives, and
-whether and how to compile. Layers and models never ask.
+loaded model (repack weights, swap in kernel-backed modules), which weight formats it multiplies
+in their blocks, where the KV cache lives, and whether and how to compile. Layers and models never ask.
 
 CUDA's own pieces (graph capture, memory sizing) are still in engine/cuda_graph.py and
 engine/gpu_memory.py; the CUDA platform here only keeps the defaults.
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
+from nanovllm.layers.quantization import LinearMethod
 
 
 class Platform:
@@ -19,6 +20,11 @@ class Platform:
 
     def prepare_model(self, model: nn.Module) -> None:
         """Called once the weights are loaded."""
+
+    def block_linear_method(self, qtype: str) -> LinearMethod | None:
+        """The linear method that multiplies weights kept in GGML block type `qtype`, or None where
+        this platform does not (the weights are then dequantized at load)."""
+        return None
 
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised cache tensor (for a backend that never reads an unwritten slot)."""

@@ -21,6 +21,8 @@ from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.quantization import UnquantizedLinearMethod
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.platforms import Platform
 from nanovllm.platforms.cpu_compile import call_directly, compile_decoder_layers
@@ -87,10 +89,16 @@ class CPUPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype != torch.bfloat16 or not cpu_kernels.has_simd_kernels():
             return
+        # Every layer that multiplies a dense bf16 weight (an embedding alone only looks rows up).
         linears = [m for m in model.modules() if type(getattr(m, "linear_method", None)) is UnquantizedLinearMethod
-                   and m.weight.dtype == torch.bfloat16]
+                   and m.weight.dtype == torch.bfloat16
+                   and (not isinstance(m, VocabParallelEmbedding) or isinstance(m, ParallelLMHead))]
         CPUPackedBF16LinearMethod.pack_all(linears)
         use_elementwise_kernels(model)
+
+    def block_linear_method(self, qtype: str) -> CPUGGUFLinearMethod | None:
+        # Every kernel variant runs the block formats (`none` in plain C++: correct if slow).
+        return CPUGGUFLinearMethod(qtype, self.dtype) if cpu_kernels.available() else None
 
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # Uninitialised costs nothing until a page is first written.

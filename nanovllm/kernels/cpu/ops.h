@@ -19,6 +19,11 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const st
 at::Tensor onednn_pack(const at::Tensor& weight);
 void onednn_release(const at::Tensor& handle);
 
+// quantized.cpp
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows, bool fine);
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features);
+
 // attention.cpp
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);

@@ -1,8 +1,9 @@
 // CPU kernels for the decode-heavy parts of a step, registered here as torch ops (namespace
 // nanovllm_cpu) and built on first use by nanovllm/kernels/cpu.py. One file per op family:
-// linear.cpp (the packed bf16 linear, oneDNN's packed weights), attention.cpp (the paged KV
-// cache: store_kv, paged_attention), sampling.cpp, elementwise.cpp (gated SiLU, RMSNorm); the
-// SIMD layer they share, which alone knows the instruction set, is simd.h.
+// linear.cpp (the packed bf16 linear, oneDNN's packed weights), quantized.cpp (GGUF's block
+// formats), attention.cpp (the paged KV cache: store_kv, paged_attention), sampling.cpp,
+// elementwise.cpp (gated SiLU, RMSNorm); the SIMD layer they share, which alone knows the
+// instruction set, is simd.h.
 
 #include "ops.h"
 #include "simd.h"
@@ -16,6 +17,8 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("onednn_pack(Tensor weight) -> Tensor");
   m.def("onednn_release(Tensor handle) -> ()");
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_integer_rows, bool fine) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor context_lens, Tensor block_tables, float scale) -> ()");
@@ -31,6 +34,8 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("onednn_pack", &nanovllm_cpu::onednn_pack);
   m.impl("onednn_release", &nanovllm_cpu::onednn_release);
   m.impl("linear_packed", &nanovllm_cpu::linear_packed);
+  m.impl("gguf_linear", &nanovllm_cpu::gguf_linear);
+  m.impl("gguf_dequantize", &nanovllm_cpu::gguf_dequantize);
   m.impl("store_kv", &nanovllm_cpu::store_kv);
   m.impl("paged_attention", &nanovllm_cpu::paged_attention);
   m.impl("sample_rows", &nanovllm_cpu::sample_rows);

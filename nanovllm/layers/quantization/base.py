@@ -3,6 +3,7 @@
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,7 +12,7 @@ class LinearMethod(ABC):
 
     `create_weights` gives the layer the parameters a checkpoint loads into (each wired to the
     layer's `weight_loader`); `process_weights_after_loading` may then repack them for a kernel;
-    `apply` runs the product. Chosen once, at load time: no layer checks a device or a flag."""
+    `apply` runs the product (and `embed` looks rows up, where the weight is an embedding's). Chosen once, at load time: no layer checks a device or a flag."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None: ...
@@ -21,3 +22,7 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, for an embedding that stores its table through this method."""
+        return F.embedding(ids, layer.weight)

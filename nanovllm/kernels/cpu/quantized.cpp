@@ -1,0 +1,337 @@
+// gguf_linear / gguf_dequantize: y = x W^T (+ b) over a weight kept in a GGUF block format (Q8_0,
+// Q4_0, Q4_1, Q4_K, Q6_K), rows as the file stores them: [N, row bytes], K/block blocks a row.
+//
+// A few rows of x (decode) take the integer path, as llama.cpp does: each row of x is quantized
+// once to 8-bit blocks of 32 with an fp32 scale (and its sum, for the formats with an offset),
+// and each 32 values of a weight row meet it in an integer dot product, scaled in fp32 by both
+// blocks' scales. The weight then streams from memory once at its own size (0.56-1.06 bytes a
+// value), the point of a quantized file on a CPU. `fine` gives x a second 8-bit part (16 bits a
+// value) for a second dot product: near-exact logits for ~10% more time a decode step. Many rows
+// (prefill) dequantize the weight into fp32 for one GEMM: there the GEMM's cost dwarfs the
+// dequantization, and the product is exact over the weight's values.
+
+#include "ops.h"
+#include "simd.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace nanovllm_cpu {
+namespace {
+
+using simd::Bytes;
+using simd::Vec8;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return simd::half_to_float(h);
+}
+
+// Each format as the kernels see it: a block of kValues values in kBytes bytes, visited as chunks
+// of 32 values: visit(chunk, q, scale_lo, scale_hi, offset) where value j of the chunk is
+// q[j] * (j < 16 ? scale_lo : scale_hi) + offset, q unsigned (0..15) where kSigned is false.
+// The layouts are ggml's (gguf-py's quants.py reads them the same way).
+
+struct Q8_0 {
+  static constexpr int kValues = 32, kBytes = 34;
+  static constexpr bool kSigned = true;
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = half_at(b);
+    visit(c, simd::load_bytes(b + 2), d, d, 0.0f);
+  }
+};
+
+struct Q4_0 {
+  static constexpr int kValues = 32, kBytes = 18;
+  static constexpr bool kSigned = false;
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = half_at(b);
+    visit(c, simd::unpack_nibbles(b + 2), d, d, -8.0f * d);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kValues = 32, kBytes = 20;
+  static constexpr bool kSigned = false;
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = half_at(b);
+    visit(c, simd::unpack_nibbles(b + 4), d, d, half_at(b + 2));
+  }
+};
+
+// 256 values: d, dmin (fp16), 8 six-bit scales and mins packed in 12 bytes, then 128 bytes whose
+// low nibbles are chunk 2j and high nibbles chunk 2j+1 for each 32 bytes j.
+struct Q4_K {
+  static constexpr int kValues = 256, kBytes = 144;
+  static constexpr bool kSigned = false;
+  static std::pair<int, int> scale_min(const uint8_t* s, int j) {
+    if (j < 4) return {s[j] & 63, s[j + 4] & 63};
+    return {(s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)};
+  }
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qs = b + 16;
+    for (int j = 0; j < 4; j++) {
+      const Bytes raw = simd::load_bytes(qs + 32 * j);
+      const auto [sc0, m0] = scale_min(scales, 2 * j);
+      const auto [sc1, m1] = scale_min(scales, 2 * j + 1);
+      visit(c + 2 * j, simd::bits(raw, 0, 0x0f), d * sc0, d * sc0, -dmin * m0);
+      visit(c + 2 * j + 1, simd::bits(raw, 4, 0x0f), d * sc1, d * sc1, -dmin * m1);
+    }
+  }
+};
+
+// 256 values of 6 bits: low nibbles in ql[128], the top two bits in qh[64], 16 int8 scales (one
+// per 16 values), then d (fp16). Each half of 128 values reads 64 bytes of ql and 32 of qh.
+struct Q6_K {
+  static constexpr int kValues = 256, kBytes = 210;
+  static constexpr bool kSigned = true;
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int h = 0; h < 2; h++) {
+      const Bytes lo_a = simd::load_bytes(b + 64 * h), lo_b = simd::load_bytes(b + 64 * h + 32);
+      const Bytes hi = simd::load_bytes(b + 128 + 32 * h);
+      const int8_t* s = sc + 8 * h;
+      const int64_t ch = c + 4 * h;
+      visit(ch, simd::join_nibbles(simd::bits(lo_a, 0, 0x0f), simd::bits(hi, 0, 3), 32), d * s[0], d * s[1], 0.0f);
+      visit(ch + 1, simd::join_nibbles(simd::bits(lo_b, 0, 0x0f), simd::bits(hi, 2, 3), 32), d * s[2], d * s[3], 0.0f);
+      visit(ch + 2, simd::join_nibbles(simd::bits(lo_a, 4, 0x0f), simd::bits(hi, 4, 3), 32), d * s[4], d * s[5], 0.0f);
+      visit(ch + 3, simd::join_nibbles(simd::bits(lo_b, 4, 0x0f), simd::bits(hi, 6, 3), 32), d * s[6], d * s[7], 0.0f);
+    }
+  }
+};
+
+template <class F, class Visit>
+inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
+  for (int64_t b = 0; b < K / F::kValues; b++) F::chunks(row + b * F::kBytes, b * (F::kValues / 32), visit);
+}
+
+// Rows of x quantized to blocks of 32: int8 values (|q| <= 127), the block's scale, and the sum
+// of its quantized values (times a format's offset, it is the offset's share of the dot product),
+// so the product is exactly that of x rounded to these blocks with the dequantized weight. Fine
+// rows carry a second int8 part, the rounding residual in 1/256ths of a step: x = scale * (256 q +
+// low), 16 bits a value for a second dot product.
+struct QuantizedRows {
+  int64_t chunks;
+  bool fine;
+  std::vector<int8_t> q, low;
+  std::vector<float> scale, sum;
+
+  template <typename T>
+  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, bool fine)
+      : chunks(K / 32), fine(fine), q(M * K), low(fine ? M * K : 0), scale(M * chunks), sum(M * chunks) {
+    at::parallel_for(0, M * chunks, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {
+        const int64_t m = i / chunks, c = i % chunks;
+        const T* src = x + m * x_stride + 32 * c;
+        float v[32], amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+          v[j] = float(src[j]);
+          amax = std::max(amax, std::abs(v[j]));
+        }
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* dst = q.data() + m * K + 32 * c;
+        int total = 0;
+        for (int j = 0; j < 32; j++) total += dst[j] = int8_t(std::nearbyint(v[j] * inv));
+        if (!fine) {
+          scale[i] = d;
+          sum[i] = d * float(total);
+          continue;
+        }
+        int8_t* rest = low.data() + m * K + 32 * c;
+        total *= 256;
+        for (int j = 0; j < 32; j++) {
+          const float r = std::nearbyint((v[j] * inv - dst[j]) * 256.0f);  // in [-128, 128]
+          total += rest[j] = int8_t(std::clamp(r, -127.0f, 127.0f));
+        }
+        scale[i] = d / 256.0f;
+        sum[i] = scale[i] * float(total);
+      }
+    });
+  }
+  const int8_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
+  const int8_t* low_values(int64_t m, int64_t c) const { return low.data() + (m * chunks + c) * 32; }
+};
+
+template <class F>
+inline simd::Sums block_dot(Bytes w, Bytes x) {
+  return F::kSigned ? simd::dot_s8s8(w, x) : simd::dot_u8s8(w, x);
+}
+
+// out[m] = row . x[m0 + m] for P rows of x against one weight row.
+template <class F, bool kFine, int P>
+void dot_rows(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m0, float* out) {
+  Vec8 acc[P];
+  float offsets[P];
+  for (int m = 0; m < P; m++) acc[m] = simd::zero8(), offsets[m] = 0.0f;
+  for_each_chunk<F>(row, K, [&](int64_t c, Bytes q, float scale_lo, float scale_hi, float offset) {
+    const Vec8 scale = simd::halves(scale_lo, scale_hi);
+#pragma GCC unroll 8
+    for (int m = 0; m < P; m++) {
+      const int64_t xc = (m0 + m) * x.chunks + c;
+      simd::Sums dot = block_dot<F>(q, simd::load_bytes(x.values(m0 + m, c)));
+      if constexpr (kFine) dot = simd::add_shifted(dot, block_dot<F>(q, simd::load_bytes(x.low_values(m0 + m, c))));
+      acc[m] = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc[m]);
+      if constexpr (!F::kSigned) offsets[m] += offset * x.sum[xc];
+    }
+  });
+  for (int m = 0; m < P; m++) out[m] = simd::reduce_add8(acc[m]) + offsets[m];
+}
+
+// Rows of x per pass over a weight row: the accumulators, the weight chunk and its scale fit the
+// sixteen ymm registers.
+constexpr int kMaxPass = 8;
+using DotRowsFn = void (*)(const uint8_t*, int64_t, const QuantizedRows&, int64_t, float*);
+template <class F, bool kFine, int... Ps>
+constexpr auto make_dot_table(std::integer_sequence<int, Ps...>) {
+  return std::array<DotRowsFn, sizeof...(Ps)>{&dot_rows<F, kFine, Ps + 1>...};
+}
+
+template <class F, typename T>
+void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_stride, const float* bias, T* y,
+                    int64_t M, int64_t N, int64_t K, bool fine) {
+  static constexpr auto coarse_table = make_dot_table<F, false>(std::make_integer_sequence<int, kMaxPass>{});
+  static constexpr auto fine_table = make_dot_table<F, true>(std::make_integer_sequence<int, kMaxPass>{});
+  const auto& table = fine ? fine_table : coarse_table;
+  const QuantizedRows xq(x, x_stride, M, K, fine);
+  const int64_t passes = (M + kMaxPass - 1) / kMaxPass;
+  // ~16 KB of weights a task at the least: a parallel region costs a few us.
+  const int64_t grain = std::max<int64_t>(1, 16384 / (K / F::kValues * F::kBytes));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float out[kMaxPass];
+    for (int64_t n = begin; n < end; n++) {
+      const float b = bias != nullptr ? bias[n] : 0.0f;
+      for (int64_t i = 0, m0 = 0; i < passes; i++) {
+        const int64_t rows = (M - m0) / (passes - i);
+        table[rows - 1](w + n * w_stride, K, xq, m0, out);
+        for (int64_t m = 0; m < rows; m++) y[(m0 + m) * N + n] = T(out[m] + b);
+        m0 += rows;
+      }
+    }
+  });
+}
+
+template <class F>
+void dequantize_row(const uint8_t* row, int64_t K, float* out) {
+  for_each_chunk<F>(row, K, [&](int64_t c, Bytes q, float scale_lo, float scale_hi, float offset) {
+    Vec8 v[4];
+    simd::widen_block(q, v);
+    const Vec8 lo = simd::set1_8(scale_lo), hi = simd::set1_8(scale_hi), add = simd::set1_8(offset);
+    for (int g = 0; g < 4; g++) simd::store8(out + 32 * c + 8 * g, simd::fmadd8(v[g], g < 2 ? lo : hi, add));
+  });
+}
+
+template <class F>
+void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K, float* out) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++) dequantize_row<F>(w + n * w_stride, K, out + n * K);
+  });
+}
+
+// x (fp32) W^T through fp32 GEMMs on the weight dequantized, up to 32 MB of it at a time (a whole
+// layer's, bar the largest LM heads): the dequantization, ~0.1 ns a value, is small beside a GEMM of
+// the rows that take this path.
+template <class F>
+at::Tensor dequantized_linear(const at::Tensor& x32, const uint8_t* w, int64_t w_stride, int64_t N, int64_t K) {
+  const int64_t M = x32.size(0), panel_rows = std::max<int64_t>(16, (int64_t(8) << 20) / K);
+  if (N <= panel_rows) {
+    at::Tensor weight = at::empty({N, K}, x32.options());
+    dequantize_rows<F>(w, w_stride, N, K, weight.data_ptr<float>());
+    return at::mm(x32, weight.t());
+  }
+  at::Tensor y = at::empty({M, N}, x32.options());
+  at::Tensor panel = at::empty({panel_rows, K}, x32.options());
+  for (int64_t n0 = 0; n0 < N; n0 += panel_rows) {
+    const int64_t rows = std::min(panel_rows, N - n0);
+    dequantize_rows<F>(w + n0 * w_stride, w_stride, rows, K, panel.data_ptr<float>());
+    y.narrow(1, n0, rows).copy_(at::mm(x32, panel.narrow(0, 0, rows).t()));
+  }
+  return y;
+}
+
+template <class Body>
+void with_format(int64_t type, Body&& body) {
+  switch (type) {
+    case 8: return body(Q8_0{});
+    case 2: return body(Q4_0{});
+    case 3: return body(Q4_1{});
+    case 12: return body(Q4_K{});
+    case 14: return body(Q6_K{});
+  }
+  TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), "
+              "Q6_K (14)");
+}
+
+template <class F>
+void check_blocks(const at::Tensor& blocks, int64_t K) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.stride(1) == 1,
+              "GGUF blocks must be uint8 [N, row bytes] with contiguous rows");
+  TORCH_CHECK(K % F::kValues == 0, "K=", K, " is not a multiple of the format's block of ", F::kValues, " values");
+  TORCH_CHECK(blocks.size(1) >= K / F::kValues * F::kBytes, "GGUF rows hold ", blocks.size(1), " bytes; K=", K,
+              " needs ", K / F::kValues * F::kBytes);
+}
+
+}  // namespace
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows, bool fine) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gguf_linear: x must be bf16 or fp32");
+  const int64_t K = x.size(-1), N = blocks.size(0);
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "gguf_linear: bias has ", bias->numel(), " values, not ", N);
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y;
+  with_format(type, [&](auto format) {
+    using F = decltype(format);
+    check_blocks<F>(blocks, K);
+    const uint8_t* w = blocks.data_ptr<uint8_t>();
+    if (M <= max_integer_rows) {
+      y = at::empty({M, N}, x.options());
+      const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
+      if (x.scalar_type() == at::kFloat)
+        integer_linear<F>(rows.data_ptr<float>(), K, w, blocks.stride(0), b, y.data_ptr<float>(), M, N, K, fine);
+      else
+        integer_linear<F>(rows.data_ptr<BFloat16>(), K, w, blocks.stride(0), b, y.data_ptr<BFloat16>(), M, N, K,
+                          fine);
+    } else {
+      y = dequantized_linear<F>(rows.to(at::kFloat), w, blocks.stride(0), N, K);
+      if (b32.defined()) y.add_(b32);
+      y = y.to(x.scalar_type());
+    }
+  });
+  return y.view(shape);
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features) {
+  at::Tensor out;
+  with_format(type, [&](auto format) {
+    using F = decltype(format);
+    check_blocks<F>(blocks, in_features);
+    out = at::empty({blocks.size(0), in_features}, blocks.options().dtype(at::kFloat));
+    dequantize_rows<F>(blocks.data_ptr<uint8_t>(), blocks.stride(0), blocks.size(0), in_features,
+                       out.data_ptr<float>());
+  });
+  return out;
+}
+
+}  // namespace nanovllm_cpu

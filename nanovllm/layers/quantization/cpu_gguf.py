@@ -1,0 +1,53 @@
+"""The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K,
+Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp): few rows as integer dot
+products over 8-bit quantized activations, more rows through fp32 panels dequantized for a GEMM.
+
+The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
+weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). An
+embedding looks up rows of blocks and dequantizes only those.
+"""
+
+import torch
+from torch import nn
+
+from nanovllm.layers.quantization.base import LinearMethod
+from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
+
+# Rows up to which the integer kernel runs; above, the fp32 panels (benchmarks/RESULTS.md).
+MAX_INTEGER_ROWS = 16
+
+
+class CPUGGUFLinearMethod(LinearMethod):
+    def __init__(self, qtype: str, dtype: torch.dtype):
+        self.qtype = qtype
+        self.type_id = BLOCK_TYPES[qtype]
+        self.dtype = dtype  # of activations, and of the rows an embedding looks up
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+        """The blocks parameter (a bias, when there is one, stays the layer's dense parameter)."""
+        blocks = torch.empty(output_size, row_bytes(self.qtype, input_size), dtype=torch.uint8)
+        layer.weight = nn.Parameter(blocks, requires_grad=False)
+        layer.weight.weight_loader = self._loader(layer)
+        layer.in_features = input_size
+
+    def install(self, layer: nn.Module) -> None:
+        """Replace a layer's dense weight (not yet loaded) by blocks of the same rows and columns."""
+        output_size, input_size = layer.weight.shape
+        self.create_weights(layer, input_size, output_size, bias=False)
+        layer.linear_method = self
+
+    def _loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
+            if not isinstance(loaded, QuantizedTensor) or loaded.qtype != self.qtype:
+                got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
+                raise ValueError(f"expected {self.qtype} blocks, got {got}")
+            layer.weight_loader(param, loaded.blocks, shard_id)
+        return load
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, MAX_INTEGER_ROWS, True)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = layer.weight.index_select(0, ids.reshape(-1))
+        values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.type_id, layer.in_features)
+        return values.to(self.dtype).view(*ids.shape, -1)

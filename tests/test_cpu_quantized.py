@@ -1,0 +1,158 @@
+"""The GGUF block kernels (kernels/cpu/quantized.cpp) against gguf-py and fp32 matmuls, and the
+engine keeping a checkpoint's weights in blocks.
+
+Dequantization: bit-exact against gguf-py's reference for every block format the kernels run.
+The integer path (few rows): against the fp32 product of the dequantized weight and x rounded
+to 8-bit blocks of 32 as the kernel rounds it (or, with 16-bit blocks, x itself), to fp32
+rounding, for rows in one pass, in passes split evenly, bf16 and fp32 x, with a bias. The
+dequantizing path (many rows): against the fp32 product, over several panels. A real tensor of each type of the default file too.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint, requires_default_model
+from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
+
+if not cpu_kernels.available():
+    pytest.skip("the CPU kernels could not be built here", allow_module_level=True)
+
+import gguf  # noqa: E402
+
+# Byte offsets of each format's fp16 scales in a block, which random bytes would make inf/nan.
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(qtype: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (rows, in_features // values, nbytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(-0.05, 0.05, raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def reference_dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    values = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[qtype])
+    return torch.from_numpy(values.reshape(blocks.shape[0], in_features).copy())
+
+
+def rounded_like_the_kernel(x: torch.Tensor) -> torch.Tensor:
+    """x's rows in 8-bit blocks of 32 (scale max|x| / 127, nearest even), dequantized."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks * torch.where(scale > 0, 1 / scale, 0), 0).round()
+    return (q * scale).reshape(x.shape)
+
+
+def test_every_block_type_is_tested():
+    assert set(SCALE_OFFSETS) == set(BLOCK_TYPES)
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+@pytest.mark.parametrize("rows,in_features", [(1, 256), (37, 512), (130, 768)])
+def test_dequantize_matches_gguf(qtype, rows, in_features):
+    blocks = random_blocks(qtype, rows, in_features)
+    got = torch.ops.nanovllm_cpu.gguf_dequantize(blocks, BLOCK_TYPES[qtype], in_features)
+    assert torch.equal(got, reference_dequantize(blocks, qtype, in_features))
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fine", [False, True])
+def test_integer_path_is_the_product_with_x_in_8_or_16_bit_blocks(qtype, m, dtype, fine):
+    """Coarse: x in 8-bit blocks, the product exactly that of the rounded x. Fine: 16 bits, the
+    product that of x itself to fp32 rounding."""
+    n, k = 37, 512
+    blocks = random_blocks(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    y = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], bias, 16, fine)
+    expected = (x.float() if fine else rounded_like_the_kernel(x)) @ reference_dequantize(blocks, qtype, k).T
+    expected += bias.float()
+    assert y.dtype == dtype and y.shape == (m, n)
+    # fp32 sums in another order; bf16 output rounding
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+def test_dequantizing_path_is_the_fp32_product(qtype):
+    n, k, m = 300, 256, 40
+    blocks = random_blocks(qtype, n, k)
+    x = torch.randn(2, m // 2, k)  # any leading dims
+    y = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 16, True)
+    expected = x @ reference_dequantize(blocks, qtype, k).T
+    assert y.shape == (2, m // 2, n)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_stride_wider_than_the_blocks_and_bad_input():
+    blocks = random_blocks("Q4_0", 8, 64)
+    wide = torch.zeros(8, blocks.shape[1] + 6, dtype=torch.uint8)
+    wide[:, :blocks.shape[1]] = blocks
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(x, wide[:, :blocks.shape[1]], 2, None, 16, False),
+                               torch.ops.nanovllm_cpu.gguf_linear(x, blocks, 2, None, 16, False))
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        torch.ops.nanovllm_cpu.gguf_linear(torch.randn(1, 48), blocks, 2, None, 16, False)
+    with pytest.raises(RuntimeError, match="GGUF type 6 has no kernel"):
+        torch.ops.nanovllm_cpu.gguf_dequantize(blocks, 6, 64)
+
+
+@requires_default_model
+@pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.ffn_down.weight", "blk.3.attn_q.weight"])
+def test_real_tensors_of_the_default_file(name):
+    """The embedding (Q8_0, 49152 rows: the dequantizing path takes it in four panels) and Q4_1 layers."""
+    from nanovllm.loader.gguf import _read, default_model_path
+
+    info = _read(default_model_path()).tensors[name]
+    blocks = torch.from_numpy(info.data.copy())
+    qtype, k = info.tensor_type.name, info.shape[1]
+    weight = reference_dequantize(blocks, qtype, k)
+    assert torch.equal(torch.ops.nanovllm_cpu.gguf_dequantize(blocks, BLOCK_TYPES[qtype], k), weight)
+    few, many = torch.randn(4, k), torch.randn(40, k)
+    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(few, blocks, BLOCK_TYPES[qtype], None, 16, False),
+                               rounded_like_the_kernel(few) @ weight.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(many, blocks, BLOCK_TYPES[qtype], None, 16, False),
+                               many @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_at_load_keeps_every_matrix_in_blocks(tmp_path):
+    """q8_0 on an fp32 checkpoint: every linear layer and the embedding hold Q8_0 blocks, and the
+    next-token distributions stay those of the dense model."""
+    path = str(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM", hidden_size=64, intermediate_size=128,
+                                    head_dim=32))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    prompt = [list(range(3, 40))]
+    dense = LLM(path, dtype="float32", num_kvcache_blocks=16, enforce_eager=True)
+    quantized = LLM(path, dtype="float32", num_kvcache_blocks=16, enforce_eager=True, quantization="q8_0")
+    model = quantized.llm_engine.executor.model
+    methods = {type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "linear_method")}
+    assert methods == {"CPUGGUFLinearMethod"}
+    top = [[min(p, key=lambda t: p[t].rank) if p else None
+            for p in llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs] for llm in (dense, quantized)]
+    agree = sum(a == b for a, b in zip(*top)) / len(top[0])
+    assert agree >= 0.9, agree
+
+
+def test_quantization_values_are_checked(tmp_path):
+    path = str(make_tiny_checkpoint(tmp_path, "LlamaForCausalLM"))
+    with pytest.raises(ValueError, match="quantization must be one of None, 'dense', 'q8_0', 'q4_0'; got 'int3'"):
+        LLM(path, quantization="int3")
+
+
+@requires_default_model
+def test_a_gguf_file_refuses_quantization_at_load():
+    with pytest.raises(ValueError, match="GGUF file, already quantized"):
+        LLM(quantization="q4_0")
+
+
+def test_quantized_tensor_shape():
+    q = QuantizedTensor.quantize(torch.randn(5, 64), "Q4_0")
+    assert q.shape == (5, 64) and q.blocks.shape == (5, 36)
