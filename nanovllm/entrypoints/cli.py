@@ -1,4 +1,5 @@
-"""The `nanovllm` command line (also `python -m nanovllm`): `generate`, `chat`, `serve`, `bench`.
+"""The `nanovllm` command line (also `python -m nanovllm`): `generate`, `chat`, `serve`, `bench`,
+`eval-kl`.
 
 `generate` and `chat` live here. `serve` and `bench` are implemented in their own modules
 (`openai_server`, `bench`), imported only when their command runs, each providing
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 _PLUGGED_COMMANDS = {
     "serve": ("nanovllm.entrypoints.openai_server", "serve the OpenAI-compatible HTTP API"),
     "bench": ("nanovllm.entrypoints.bench", "run the benchmark workloads"),
+    "eval-kl": ("nanovllm.entrypoints.eval_kl", "KL divergence and perplexity against the dense fp32 model"),
 }
 _EXIT_COMMANDS = ("/exit", "/quit")
 

@@ -21,7 +21,7 @@ void onednn_release(const at::Tensor& handle);
 
 // quantized.cpp
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows, bool fine);
+                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features);
 
 // attention.cpp

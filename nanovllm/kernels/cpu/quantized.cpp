@@ -1,14 +1,16 @@
 // gguf_linear / gguf_dequantize: y = x W^T (+ b) over a weight kept in a GGUF block format (Q8_0,
 // Q4_0, Q4_1, Q4_K, Q6_K), rows as the file stores them: [N, row bytes], K/block blocks a row.
 //
-// A few rows of x (decode) take the integer path, as llama.cpp does: each row of x is quantized
-// once to 8-bit blocks of 32 with an fp32 scale (and its sum, for the formats with an offset),
-// and each 32 values of a weight row meet it in an integer dot product, scaled in fp32 by both
+// A few rows of x (decode) take the integer path, much as llama.cpp does: each row of x is
+// quantized once to blocks of 32 with an fp32 scale (and its sum, for the formats with an offset),
+// and each 32 values of a weight row meet it in integer dot products, scaled in fp32 by both
 // blocks' scales. The weight then streams from memory once at its own size (0.56-1.06 bytes a
-// value), the point of a quantized file on a CPU. `fine` gives x a second 8-bit part (16 bits a
-// value) for a second dot product: near-exact logits for ~10% more time a decode step. Many rows
-// (prefill) dequantize the weight into fp32 for one GEMM: there the GEMM's cost dwarfs the
-// dequantization, and the product is exact over the weight's values.
+// value), the point of a quantized file on a CPU. Unlike llama.cpp, x keeps 16 bits a value, as
+// two 8-bit parts with a dot product each: 8 bits alone cost the default model 1-2 points of
+// top-1 agreement with the dense model, 16 bits about 10% more time at one row
+// (benchmarks/RESULTS.md). Many rows (prefill) dequantize the weight into fp32 for one GEMM:
+// there the GEMM's cost dwarfs the dequantization, and the product is exact over the weight's
+// values.
 
 #include "ops.h"
 #include "simd.h"
@@ -120,20 +122,19 @@ inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
   for (int64_t b = 0; b < K / F::kValues; b++) F::chunks(row + b * F::kBytes, b * (F::kValues / 32), visit);
 }
 
-// Rows of x quantized to blocks of 32: int8 values (|q| <= 127), the block's scale, and the sum
-// of its quantized values (times a format's offset, it is the offset's share of the dot product),
-// so the product is exactly that of x rounded to these blocks with the dequantized weight. Fine
-// rows carry a second int8 part, the rounding residual in 1/256ths of a step: x = scale * (256 q +
-// low), 16 bits a value for a second dot product.
+// Rows of x quantized to blocks of 32 values in two int8 parts: x = scale * (256 q + low), q the
+// value rounded to 8 bits (|q| <= 127) and low the rounding residual in 1/256ths of a step. With
+// the block's scale goes the sum of its quantized values (times a format's offset, the offset's
+// share of the dot product), so the product is exactly that of x rounded to these blocks with the
+// dequantized weight.
 struct QuantizedRows {
   int64_t chunks;
-  bool fine;
   std::vector<int8_t> q, low;
   std::vector<float> scale, sum;
 
   template <typename T>
-  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, bool fine)
-      : chunks(K / 32), fine(fine), q(M * K), low(fine ? M * K : 0), scale(M * chunks), sum(M * chunks) {
+  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K)
+      : chunks(K / 32), q(M * K), low(M * K), scale(M * chunks), sum(M * chunks) {
     at::parallel_for(0, M * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t m = i / chunks, c = i % chunks;
@@ -147,11 +148,6 @@ struct QuantizedRows {
         int8_t* dst = q.data() + m * K + 32 * c;
         int total = 0;
         for (int j = 0; j < 32; j++) total += dst[j] = int8_t(std::nearbyint(v[j] * inv));
-        if (!fine) {
-          scale[i] = d;
-          sum[i] = d * float(total);
-          continue;
-        }
         int8_t* rest = low.data() + m * K + 32 * c;
         total *= 256;
         for (int j = 0; j < 32; j++) {
@@ -173,7 +169,7 @@ inline simd::Sums block_dot(Bytes w, Bytes x) {
 }
 
 // out[m] = row . x[m0 + m] for P rows of x against one weight row.
-template <class F, bool kFine, int P>
+template <class F, int P>
 void dot_rows(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m0, float* out) {
   Vec8 acc[P];
   float offsets[P];
@@ -183,8 +179,8 @@ void dot_rows(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m0,
 #pragma GCC unroll 8
     for (int m = 0; m < P; m++) {
       const int64_t xc = (m0 + m) * x.chunks + c;
-      simd::Sums dot = block_dot<F>(q, simd::load_bytes(x.values(m0 + m, c)));
-      if constexpr (kFine) dot = simd::add_shifted(dot, block_dot<F>(q, simd::load_bytes(x.low_values(m0 + m, c))));
+      const simd::Sums dot = simd::add_shifted(block_dot<F>(q, simd::load_bytes(x.values(m0 + m, c))),
+                                               block_dot<F>(q, simd::load_bytes(x.low_values(m0 + m, c))));
       acc[m] = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc[m]);
       if constexpr (!F::kSigned) offsets[m] += offset * x.sum[xc];
     }
@@ -196,18 +192,16 @@ void dot_rows(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m0,
 // sixteen ymm registers.
 constexpr int kMaxPass = 8;
 using DotRowsFn = void (*)(const uint8_t*, int64_t, const QuantizedRows&, int64_t, float*);
-template <class F, bool kFine, int... Ps>
+template <class F, int... Ps>
 constexpr auto make_dot_table(std::integer_sequence<int, Ps...>) {
-  return std::array<DotRowsFn, sizeof...(Ps)>{&dot_rows<F, kFine, Ps + 1>...};
+  return std::array<DotRowsFn, sizeof...(Ps)>{&dot_rows<F, Ps + 1>...};
 }
 
 template <class F, typename T>
 void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_stride, const float* bias, T* y,
-                    int64_t M, int64_t N, int64_t K, bool fine) {
-  static constexpr auto coarse_table = make_dot_table<F, false>(std::make_integer_sequence<int, kMaxPass>{});
-  static constexpr auto fine_table = make_dot_table<F, true>(std::make_integer_sequence<int, kMaxPass>{});
-  const auto& table = fine ? fine_table : coarse_table;
-  const QuantizedRows xq(x, x_stride, M, K, fine);
+                    int64_t M, int64_t N, int64_t K) {
+  static constexpr auto table = make_dot_table<F>(std::make_integer_sequence<int, kMaxPass>{});
+  const QuantizedRows xq(x, x_stride, M, K);
   const int64_t passes = (M + kMaxPass - 1) / kMaxPass;
   // ~16 KB of weights a task at the least: a parallel region costs a few us.
   const int64_t grain = std::max<int64_t>(1, 16384 / (K / F::kValues * F::kBytes));
@@ -288,7 +282,7 @@ void check_blocks(const at::Tensor& blocks, int64_t K) {
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows, bool fine) {
+                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gguf_linear: x must be bf16 or fp32");
   const int64_t K = x.size(-1), N = blocks.size(0);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
@@ -309,10 +303,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
       y = at::empty({M, N}, x.options());
       const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
       if (x.scalar_type() == at::kFloat)
-        integer_linear<F>(rows.data_ptr<float>(), K, w, blocks.stride(0), b, y.data_ptr<float>(), M, N, K, fine);
+        integer_linear<F>(rows.data_ptr<float>(), K, w, blocks.stride(0), b, y.data_ptr<float>(), M, N, K);
       else
-        integer_linear<F>(rows.data_ptr<BFloat16>(), K, w, blocks.stride(0), b, y.data_ptr<BFloat16>(), M, N, K,
-                          fine);
+        integer_linear<F>(rows.data_ptr<BFloat16>(), K, w, blocks.stride(0), b, y.data_ptr<BFloat16>(), M, N,
+                          K);
     } else {
       y = dequantized_linear<F>(rows.to(at::kFloat), w, blocks.stride(0), N, K);
       if (b32.defined()) y.add_(b32);

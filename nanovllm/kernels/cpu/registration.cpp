@@ -17,7 +17,7 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("onednn_pack(Tensor weight) -> Tensor");
   m.def("onednn_release(Tensor handle) -> ()");
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_integer_rows, bool fine) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_integer_rows) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "

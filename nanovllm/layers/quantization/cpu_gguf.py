@@ -1,6 +1,7 @@
 """The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K,
 Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp): few rows as integer dot
-products over 8-bit quantized activations, more rows through fp32 panels dequantized for a GEMM.
+products over activations quantized to 16-bit blocks, more rows by a GEMM on the weight
+dequantized to fp32.
 
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
 weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). An
@@ -13,7 +14,7 @@ from torch import nn
 from nanovllm.layers.quantization.base import LinearMethod
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
-# Rows up to which the integer kernel runs; above, the fp32 panels (benchmarks/RESULTS.md).
+# Rows up to which the integer kernel runs; above, dequantize-then-GEMM (benchmarks/RESULTS.md).
 MAX_INTEGER_ROWS = 16
 
 
@@ -45,7 +46,7 @@ class CPUGGUFLinearMethod(LinearMethod):
         return load
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, MAX_INTEGER_ROWS, True)
+        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, MAX_INTEGER_ROWS)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
