@@ -45,8 +45,13 @@ def test_bench_compares_with_transformers_and_plots(tiny_checkpoint, small_workl
     assert f"W1 throughput: 64 requests, {w1.prompt_tokens} prompt + {w1.output_tokens} output tokens" in out
     w1_table, w2_table = out.split("W1 throughput")[1].split("W2 latency")
     for table in (w1_table, w2_table):
-        rows = [line.split()[0] for line in table.splitlines()[2:] if line.strip()][:3]
-        assert rows == ["nano-vllm", "transformers", "ratio"]
+        rows = [line[2:18].strip() for line in table.splitlines()[2:] if line.strip()][:3]
+        assert rows == ["nano-vllm", "transformers", "vs transformers"]
     for n in bench.PLOT_CONCURRENCY:
         assert f"{n:>3} concurrent:" in out
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_llama_cpp_comparison_needs_a_gguf_file(tiny_checkpoint):
+    with pytest.raises(SystemExit, match="runs GGUF files"):
+        bench.llama_cpp_runner(str(tiny_checkpoint("LlamaForCausalLM")))

@@ -1,4 +1,5 @@
-"""`nanovllm bench`: the CPU benchmark workloads, optionally side by side with transformers.
+"""`nanovllm bench`: the CPU benchmark workloads, optionally side by side with transformers and
+llama.cpp (bench_llama_cpp).
 
 W1 (throughput): 64 random-id prompts of 64-512 tokens, 32-256 output tokens each, temperature
 0.6, EOS ignored, all submitted at once (seed 0; nano-vllm's bench shape scaled to 2 cores).
@@ -148,6 +149,16 @@ def load_transformers_model(model: str | None, dtype: torch.dtype):
     return hf.eval()
 
 
+def llama_cpp_runner(model_path: str):
+    """llama.cpp on the same GGUF file, threads and workloads (bench_llama_cpp)."""
+    from nanovllm.entrypoints.bench_llama_cpp import LlamaCppRunner
+    if not model_path.endswith(".gguf"):
+        raise SystemExit(f"error: --compare llama.cpp runs GGUF files; {model_path} is not one")
+    w1 = throughput_workload()
+    context = max(w1.prompt_tokens + w1.output_tokens, W2_PROMPT_LEN + W2_OUTPUT_LEN) + 256
+    return LlamaCppRunner(model_path, torch.get_num_threads(), len(w1.prompts), context)
+
+
 def run_throughput(runner, workload: Workload) -> Throughput:
     warm = workload.head(2)  # untimed: first-call allocations and lazy initialisation
     runner.generate(warm.prompts, [4] * len(warm.prompts), workload.temperature)
@@ -189,18 +200,19 @@ def _ratio(a: float, b: float) -> str:
 
 def _print_table(columns: list[tuple[str, int]], rows: dict[str, list[str]]) -> None:
     """An engine column, then right-aligned `columns` (name, width); one line per row."""
-    print(f"  {'engine':<14}" + "".join(f"{name:>{width}}" for name, width in columns))
+    print(f"  {'engine':<16}" + "".join(f"{name:>{width}}" for name, width in columns))
     for label, cells in rows.items():
-        print(f"  {label:<14}" + "".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns)))
+        print(f"  {label:<16}" + "".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns)))
 
 
 def print_throughput(results: dict[str, Throughput], workload: Workload) -> None:
     print(f"\nW1 throughput: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt + "
           f"{workload.output_tokens} output tokens, temperature {workload.temperature}")
     rows = {name: [f"{r.seconds:.2f}", f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}"] for name, r in results.items()}
-    if len(results) == 2:
-        nano, other = results.values()
-        rows["ratio"] = ["", _ratio(nano.output_tok_s, other.output_tok_s), _ratio(nano.total_tok_s, other.total_tok_s)]
+    nano, *others = results.items()
+    for name, other in others:  # nano-vllm's figure over the other engine's: > 1 is better
+        rows[f"vs {name}"] = ["", _ratio(nano[1].output_tok_s, other.output_tok_s),
+                              _ratio(nano[1].total_tok_s, other.total_tok_s)]
     _print_table([("time s", 9), ("output tok/s", 15), ("total tok/s", 14)], rows)
 
 
@@ -208,9 +220,9 @@ def print_latency(results: dict[str, Latency]) -> None:
     print(f"\nW2 latency: 1 request, {W2_PROMPT_LEN} prompt tokens, {W2_OUTPUT_LEN} greedy output tokens "
           f"(median of {W2_REPEATS})")
     rows = {name: [f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.1f}"] for name, r in results.items()}
-    if len(results) == 2:
-        nano, other = results.values()
-        rows["ratio"] = [_ratio(other.ttft_s, nano.ttft_s), _ratio(nano.decode_tok_s, other.decode_tok_s)]
+    nano, *others = results.items()
+    for name, other in others:  # speed-ups: the other's TTFT over ours, our decode rate over theirs
+        rows[f"vs {name}"] = [_ratio(other.ttft_s, nano[1].ttft_s), _ratio(nano[1].decode_tok_s, other.decode_tok_s)]
     _print_table([("TTFT s", 9), ("decode tok/s", 15)], rows)
 
 
@@ -241,7 +253,9 @@ def plot_concurrency(runners: list, workload: Workload, path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="all", choices=["all", "w1", "w2"], help="what to run (default: all)")
-    parser.add_argument("--compare", choices=["transformers"], help="also run the workloads with this engine")
+    parser.add_argument("--compare", nargs="+", default=[], choices=["transformers", "llama.cpp"],
+                        help="also run the workloads with these engines (llama.cpp: a GGUF model only, through "
+                             "llama-cpp-python)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot output tok/s against 1, 4, 16 and 64 concurrent requests")
     parser.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: torch's choice)")
@@ -255,8 +269,10 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     nano = NanoRunner(engine_kwargs(args))
     runners = [nano]
-    if args.compare == "transformers":
+    if "transformers" in args.compare:
         runners.append(TransformersRunner(args.model, nano.llm.llm_engine.config.torch_dtype))
+    if "llama.cpp" in args.compare:
+        runners.append(llama_cpp_runner(nano.llm.llm_engine.config.model_path))
     print(machine_summary())
     for runner in runners:
         compiled = f", of which compile {runner.compile_s:.1f} s" if runner.compile_s else ""

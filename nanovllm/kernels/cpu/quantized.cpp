@@ -28,6 +28,7 @@ namespace nanovllm_cpu {
 namespace {
 
 using simd::Bytes;
+using simd::Words;
 using simd::Vec8;
 
 inline float half_at(const uint8_t* p) {
@@ -37,37 +38,39 @@ inline float half_at(const uint8_t* p) {
 }
 
 // Each format as the kernels see it: a block of kValues values in kBytes bytes, visited as chunks
-// of 32 values: visit(chunk, q, scale_lo, scale_hi, offset) where value j of the chunk is
-// q[j] * (j < 16 ? scale_lo : scale_hi) + offset, q unsigned (0..15) where kSigned is false.
-// The layouts are ggml's (gguf-py's quants.py reads them the same way).
+// of 32 values: visit(chunk, q, scale, offset) where value j of the chunk is q[j] * scale + offset,
+// the scale one for the chunk or, where kScalePer16, one per 16 values (lanes 0-3 and 4-7 of the
+// Vec8, as dot_halves leaves the sums), and the offset 0 where not kOffset. The layouts are ggml's (gguf-py's quants.py reads them the
+// same way).
 
 struct Q8_0 {
   static constexpr int kValues = 32, kBytes = 34;
-  static constexpr bool kSigned = true;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = false;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
-    const float d = half_at(b);
-    visit(c, simd::load_bytes(b + 2), d, d, 0.0f);
+    visit(c, simd::byte_words(b + 2), simd::set1_8(half_at(b)), 0.0f);
   }
 };
 
 struct Q4_0 {
   static constexpr int kValues = 32, kBytes = 18;
-  static constexpr bool kSigned = false;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = half_at(b);
-    visit(c, simd::unpack_nibbles(b + 2), d, d, -8.0f * d);
+    visit(c, simd::nibble_words(b + 2), simd::set1_8(d), -8.0f * d);
   }
 };
 
 struct Q4_1 {
   static constexpr int kValues = 32, kBytes = 20;
-  static constexpr bool kSigned = false;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
-    const float d = half_at(b);
-    visit(c, simd::unpack_nibbles(b + 4), d, d, half_at(b + 2));
+    visit(c, simd::nibble_words(b + 4), simd::set1_8(half_at(b)), half_at(b + 2));
   }
 };
 
@@ -75,7 +78,8 @@ struct Q4_1 {
 // low nibbles are chunk 2j and high nibbles chunk 2j+1 for each 32 bytes j.
 struct Q4_K {
   static constexpr int kValues = 256, kBytes = 144;
-  static constexpr bool kSigned = false;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
   static std::pair<int, int> scale_min(const uint8_t* s, int j) {
     if (j < 4) return {s[j] & 63, s[j + 4] & 63};
     return {(s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)};
@@ -86,11 +90,10 @@ struct Q4_K {
     const uint8_t* scales = b + 4;
     const uint8_t* qs = b + 16;
     for (int j = 0; j < 4; j++) {
-      const Bytes raw = simd::load_bytes(qs + 32 * j);
       const auto [sc0, m0] = scale_min(scales, 2 * j);
       const auto [sc1, m1] = scale_min(scales, 2 * j + 1);
-      visit(c + 2 * j, simd::bits(raw, 0, 0x0f), d * sc0, d * sc0, -dmin * m0);
-      visit(c + 2 * j + 1, simd::bits(raw, 4, 0x0f), d * sc1, d * sc1, -dmin * m1);
+      visit(c + 2 * j, simd::low_nibble_words(qs + 32 * j), simd::set1_8(d * sc0), -dmin * m0);
+      visit(c + 2 * j + 1, simd::high_nibble_words(qs + 32 * j), simd::set1_8(d * sc1), -dmin * m1);
     }
   }
 };
@@ -99,7 +102,8 @@ struct Q4_K {
 // per 16 values), then d (fp16). Each half of 128 values reads 64 bytes of ql and 32 of qh.
 struct Q6_K {
   static constexpr int kValues = 256, kBytes = 210;
-  static constexpr bool kSigned = true;
+  static constexpr bool kScalePer16 = true;
+  static constexpr bool kOffset = false;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = half_at(b + 208);
@@ -109,10 +113,14 @@ struct Q6_K {
       const Bytes hi = simd::load_bytes(b + 128 + 32 * h);
       const int8_t* s = sc + 8 * h;
       const int64_t ch = c + 4 * h;
-      visit(ch, simd::join_nibbles(simd::bits(lo_a, 0, 0x0f), simd::bits(hi, 0, 3), 32), d * s[0], d * s[1], 0.0f);
-      visit(ch + 1, simd::join_nibbles(simd::bits(lo_b, 0, 0x0f), simd::bits(hi, 2, 3), 32), d * s[2], d * s[3], 0.0f);
-      visit(ch + 2, simd::join_nibbles(simd::bits(lo_a, 4, 0x0f), simd::bits(hi, 4, 3), 32), d * s[4], d * s[5], 0.0f);
-      visit(ch + 3, simd::join_nibbles(simd::bits(lo_b, 4, 0x0f), simd::bits(hi, 6, 3), 32), d * s[6], d * s[7], 0.0f);
+      visit(ch, simd::widen(simd::join_nibbles(simd::bits(lo_a, 0, 0x0f), simd::bits(hi, 0, 3), 32)),
+            simd::halves(d * s[0], d * s[1]), 0.0f);
+      visit(ch + 1, simd::widen(simd::join_nibbles(simd::bits(lo_b, 0, 0x0f), simd::bits(hi, 2, 3), 32)),
+            simd::halves(d * s[2], d * s[3]), 0.0f);
+      visit(ch + 2, simd::widen(simd::join_nibbles(simd::bits(lo_a, 4, 0x0f), simd::bits(hi, 4, 3), 32)),
+            simd::halves(d * s[4], d * s[5]), 0.0f);
+      visit(ch + 3, simd::widen(simd::join_nibbles(simd::bits(lo_b, 4, 0x0f), simd::bits(hi, 6, 3), 32)),
+            simd::halves(d * s[6], d * s[7]), 0.0f);
     }
   }
 };
@@ -122,19 +130,17 @@ inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
   for (int64_t b = 0; b < K / F::kValues; b++) F::chunks(row + b * F::kBytes, b * (F::kValues / 32), visit);
 }
 
-// Rows of x quantized to blocks of 32 values in two int8 parts: x = scale * (256 q + low), q the
-// value rounded to 8 bits (|q| <= 127) and low the rounding residual in 1/256ths of a step. With
-// the block's scale goes the sum of its quantized values (times a format's offset, the offset's
-// share of the dot product), so the product is exactly that of x rounded to these blocks with the
-// dequantized weight.
+// Rows of x quantized to blocks of 32 16-bit values (|q| <= 32767) with the block's fp32 scale and
+// the sum of its quantized values (times a format's offset, the offset's share of the dot product),
+// so the product is exactly that of x rounded to these blocks with the dequantized weight.
 struct QuantizedRows {
   int64_t chunks;
-  std::vector<int8_t> q, low;
+  std::vector<int16_t> q;
   std::vector<float> scale, sum;
 
   template <typename T>
   QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K)
-      : chunks(K / 32), q(M * K), low(M * K), scale(M * chunks), sum(M * chunks) {
+      : chunks(K / 32), q(M * K), scale(M * chunks), sum(M * chunks) {
     at::parallel_for(0, M * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t m = i / chunks, c = i % chunks;
@@ -144,52 +150,82 @@ struct QuantizedRows {
           v[j] = float(src[j]);
           amax = std::max(amax, std::abs(v[j]));
         }
-        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t* dst = q.data() + m * K + 32 * c;
+        const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int16_t* dst = q.data() + m * K + 32 * c;
         int total = 0;
-        for (int j = 0; j < 32; j++) total += dst[j] = int8_t(std::nearbyint(v[j] * inv));
-        int8_t* rest = low.data() + m * K + 32 * c;
-        total *= 256;
-        for (int j = 0; j < 32; j++) {
-          const float r = std::nearbyint((v[j] * inv - dst[j]) * 256.0f);  // in [-128, 128]
-          total += rest[j] = int8_t(std::clamp(r, -127.0f, 127.0f));
-        }
-        scale[i] = d / 256.0f;
-        sum[i] = scale[i] * float(total);
+        for (int j = 0; j < 32; j++) total += dst[j] = int16_t(std::nearbyint(v[j] * inv));
+        scale[i] = d;
+        sum[i] = d * float(total);
       }
     });
   }
-  const int8_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
-  const int8_t* low_values(int64_t m, int64_t c) const { return low.data() + (m * chunks + c) * 32; }
+  const int16_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
 };
 
+// One block of a weight row decoded, its chunks ready for several rows of x.
 template <class F>
-inline simd::Sums block_dot(Bytes w, Bytes x) {
-  return F::kSigned ? simd::dot_s8s8(w, x) : simd::dot_u8s8(w, x);
-}
+struct DecodedBlock {
+  static constexpr int kChunks = F::kValues / 32;
+  Words q[kChunks];
+  Vec8 scale[kChunks];
+  float offset[kChunks];
+  void decode(const uint8_t* block) {
+    F::chunks(block, 0, [&](int64_t c, Words values, Vec8 chunk_scale, float off) {
+      q[c] = values;
+      scale[c] = chunk_scale;
+      offset[c] = off;
+    });
+  }
+};
 
-// out[m] = row . x[m0 + m] for P rows of x against one weight row.
+// out[m] = weight row . x row m0 + m for P rows of x. Chunks go round-robin to U accumulators a
+// row of x, so that few rows still have independent sums in flight (the weight row itself streams
+// in order: several weight rows side by side are more streams than the hardware prefetcher follows
+// well from memory).
 template <class F, int P>
 void dot_rows(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m0, float* out) {
-  Vec8 acc[P];
+  constexpr int kChunks = F::kValues / 32;
+  constexpr int U = P == 1 ? 4 : P == 2 ? 2 : 1;
+  constexpr int G = U > kChunks ? U / kChunks : 1;  // blocks a step, so that the accumulator is constant
+  Vec8 acc[P][U];
   float offsets[P];
-  for (int m = 0; m < P; m++) acc[m] = simd::zero8(), offsets[m] = 0.0f;
-  for_each_chunk<F>(row, K, [&](int64_t c, Bytes q, float scale_lo, float scale_hi, float offset) {
-    const Vec8 scale = simd::halves(scale_lo, scale_hi);
+  for (int m = 0; m < P; m++) {
+    offsets[m] = 0.0f;
+    for (int u = 0; u < U; u++) acc[m][u] = simd::zero8();
+  }
+  const int64_t blocks = K / F::kValues;
+  for (int64_t b0 = 0; b0 < blocks; b0 += G) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+      const int64_t b = b0 + g;
+      if (G > 1 && b >= blocks) break;
+      DecodedBlock<F> block;
+      block.decode(row + b * F::kBytes);
 #pragma GCC unroll 8
-    for (int m = 0; m < P; m++) {
-      const int64_t xc = (m0 + m) * x.chunks + c;
-      const simd::Sums dot = simd::add_shifted(block_dot<F>(q, simd::load_bytes(x.values(m0 + m, c))),
-                                               block_dot<F>(q, simd::load_bytes(x.low_values(m0 + m, c))));
-      acc[m] = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc[m]);
-      if constexpr (!F::kSigned) offsets[m] += offset * x.sum[xc];
+      for (int c = 0; c < kChunks; c++) {
+        const int64_t chunk = b * kChunks + c;
+        const int u = (g * kChunks + c) % U;
+#pragma GCC unroll 8
+        for (int m = 0; m < P; m++) {
+          const int64_t xc = (m0 + m) * x.chunks + chunk;
+          const Words xq = simd::load_words(x.values(m0 + m, chunk));
+          const simd::Sums dot = F::kScalePer16 ? simd::dot_halves(block.q[c], xq) : simd::dot(block.q[c], xq);
+          acc[m][u] = simd::fmadd8(simd::to_float(dot), simd::mul8(block.scale[c], simd::set1_8(x.scale[xc])),
+                                   acc[m][u]);
+          if constexpr (F::kOffset) offsets[m] += block.offset[c] * x.sum[xc];
+        }
+      }
     }
-  });
-  for (int m = 0; m < P; m++) out[m] = simd::reduce_add8(acc[m]) + offsets[m];
+  }
+  for (int m = 0; m < P; m++) {
+    Vec8 total = acc[m][0];
+    for (int u = 1; u < U; u++) total = simd::add8(total, acc[m][u]);
+    out[m] = simd::reduce_add8(total) + offsets[m];
+  }
 }
 
-// Rows of x per pass over a weight row: the accumulators, the weight chunk and its scale fit the
-// sixteen ymm registers.
+// Rows of x per pass over a weight row: the accumulators with a weight chunk and its scale fit
+// the sixteen ymm registers.
 constexpr int kMaxPass = 8;
 using DotRowsFn = void (*)(const uint8_t*, int64_t, const QuantizedRows&, int64_t, float*);
 template <class F, int... Ps>
@@ -221,10 +257,11 @@ void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_st
 
 template <class F>
 void dequantize_row(const uint8_t* row, int64_t K, float* out) {
-  for_each_chunk<F>(row, K, [&](int64_t c, Bytes q, float scale_lo, float scale_hi, float offset) {
+  for_each_chunk<F>(row, K, [&](int64_t c, Words q, Vec8 scale, float offset) {
     Vec8 v[4];
     simd::widen_block(q, v);
-    const Vec8 lo = simd::set1_8(scale_lo), hi = simd::set1_8(scale_hi), add = simd::set1_8(offset);
+    // Values 0-15 take the scale of the sums' lanes 0-3, values 16-31 that of lanes 4-7.
+    const Vec8 lo = simd::low_half(scale), hi = simd::high_half(scale), add = simd::set1_8(offset);
     for (int g = 0; g < 4; g++) simd::store8(out + 32 * c + 8 * g, simd::fmadd8(v[g], g < 2 ? lo : hi, add));
   });
 }

@@ -3,7 +3,8 @@
 // are written once against it; only this file knows the ISA.
 //
 //   avx512: AVX512F + BW + VL + BF16 + VNNI (Zen 4, Sapphire Rapids and later): a Vec is one zmm
-//           register, a dot product over bf16 pairs is one vdpbf16ps, over 8-bit blocks one vpdpbusd.
+//           register, a dot product over bf16 pairs is one vdpbf16ps, over
+//           16-bit pairs one vpdpwssd.
 //   avx2:   AVX2 + FMA + F16C (Haswell, Zen 1-3, Alder Lake): a Vec is two ymm registers; bf16
 //           widens to fp32 exactly (a shift or a mask: a bf16 is the top half of an fp32) and the
 //           pairs' products are two FMAs.
@@ -336,16 +337,22 @@ inline Vec dot(Vec acc, const Pairs& w, Broadcast x) {
 
 #endif
 
-// ---- 8-bit blocks: the quantized linear's integer dot products ------------------------------
-// A block is 32 8-bit values (`Bytes`); a dot product of two blocks gives eight int32 partial sums
-// (`Sums`: lane j sums values 4j..4j+3), turned into eight fp32 lanes (`Vec8`) and scaled, so a
-// scale per 16 values is a scale per half of the lanes. The 256-bit AVX2 code serves AVX-512 too,
-// whose VNNI does a block's dot product in one instruction (vpdpbusd) instead of two.
+// ---- Quantized blocks: the GGUF kernels' integer dot products -------------------------------
+// A chunk of 32 weights is decoded to 16-bit integers (`Words`: lo holds values 0-15, hi 16-31),
+// from 4, 6 or 8 bits (through `Bytes`, 32 8-bit values, where the bits need assembling), and meets
+// 32 16-bit integers of x in a dot product of eight int32 partial sums (`Sums`), turned into eight
+// fp32 lanes (`Vec8`) and scaled. `dot` leaves the lanes in any order (a chunk with one scale);
+// `dot_halves` keeps values 0-15 in lanes 0-3 and 16-31 in lanes 4-7, so a scale per 16 values is a
+// scale per half of the lanes. The 256-bit AVX2 code serves AVX-512 too, whose VNNI multiplies and
+// accumulates 16-bit pairs in one instruction (vpdpwssd) instead of two.
 
 #if defined(NANOVLLM_SIMD_AVX512) || defined(NANOVLLM_SIMD_AVX2)
 
 struct Bytes {
   __m256i v;
+};
+struct Words {
+  __m256i lo, hi;
 };
 struct Sums {
   __m256i v;
@@ -354,12 +361,6 @@ struct Vec8 {
   __m256 v;
 };
 inline Bytes load_bytes(const void* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
-// 16 bytes of nibbles -> 32 values 0..15: the low nibbles (values 0-15), then the high ones.
-inline Bytes unpack_nibbles(const uint8_t* p) {
-  const __m128i x = _mm_loadu_si128((const __m128i*)p);
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
-  return {_mm256_and_si256(both, _mm256_set1_epi8(0x0f))};
-}
 // (x >> shift) & mask in every byte; mask must fit in 8 - shift bits.
 inline Bytes bits(Bytes x, int shift, uint8_t mask) {
   return {_mm256_and_si256(_mm256_srli_epi16(x.v, shift), _mm256_set1_epi8(char(mask)))};
@@ -368,33 +369,63 @@ inline Bytes bits(Bytes x, int shift, uint8_t mask) {
 inline Bytes join_nibbles(Bytes lo, Bytes hi, uint8_t bias) {
   return {_mm256_sub_epi8(_mm256_or_si256(lo.v, _mm256_slli_epi16(hi.v, 4)), _mm256_set1_epi8(char(bias)))};
 }
-#if defined(NANOVLLM_SIMD_AVX512)
-// u: unsigned values, s: signed.
-inline Sums dot_u8s8(Bytes u, Bytes s) { return {_mm256_dpbusd_epi32(_mm256_setzero_si256(), u.v, s.v)}; }
-#else
-// maddubs' int16 pair sums cannot saturate for the blocks here: |u| <= 128 with |s| <= 127 is < 2^15.
-inline Sums dot_u8s8(Bytes u, Bytes s) {
-  return {_mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1))};
+// Signed bytes widened.
+inline Words widen(Bytes x) {
+  return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(x.v)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x.v, 1))};
 }
+inline Words byte_words(const void* p) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p + 1))};
+}
+// 16 bytes of nibbles: the low nibbles are values 0-15, the high ones 16-31.
+inline Words nibble_words(const uint8_t* p) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  return {_mm256_and_si256(x, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16(x, 4)};
+}
+// 32 bytes of nibbles: the 32 low nibbles, or the 32 high ones, in order.
+inline Words low_nibble_words(const uint8_t* p) {
+  const __m256i mask = _mm256_set1_epi16(0x0f);
+  return {_mm256_and_si256(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), mask),
+          _mm256_and_si256(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p + 1)), mask)};
+}
+inline Words high_nibble_words(const uint8_t* p) {
+  return {_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 4),
+          _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p + 1)), 4)};
+}
+inline Words load_words(const int16_t* p) {
+  return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1)};
+}
+// No sum of two products overflows: |w| <= 128 and |x| <= 32767.
+#if defined(NANOVLLM_SIMD_AVX512)
+inline Sums dot(Words w, Words x) {
+  return {_mm256_dpwssd_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi)};
+}
+#else
+inline Sums dot(Words w, Words x) { return {_mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi))}; }
 #endif
-// Both signed: |a| against s with a's sign moved onto s (s = -128 never occurs: quantized x stays in +-127).
-inline Sums dot_s8s8(Bytes a, Bytes s) { return dot_u8s8({_mm256_abs_epi8(a.v)}, {_mm256_sign_epi8(s.v, a.v)}); }
-// The 32 values of a block as four groups of eight fp32 lanes (signed bytes).
-inline void widen_block(Bytes q, Vec8 out[4]) {
-  const __m128i lo = _mm256_castsi256_si128(q.v), hi = _mm256_extracti128_si256(q.v, 1);
-  out[0] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))};
-  out[1] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))};
-  out[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))};
-  out[3] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+inline Sums dot_halves(Words w, Words x) {
+  // hadd interleaves the halves' pair sums by 64 bits within each 128-bit lane; the permute
+  // puts values 0-15 (from lo) in lanes 0-3 and 16-31 in lanes 4-7.
+  const __m256i sums = _mm256_hadd_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+  return {_mm256_permute4x64_epi64(sums, 0xd8)};
+}
+// The 32 values as four groups of eight fp32 lanes.
+inline void widen_block(Words q, Vec8 out[4]) {
+  out[0] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.lo)))};
+  out[1] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.lo, 1)))};
+  out[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.hi)))};
+  out[3] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.hi, 1)))};
 }
 inline void store8(float* p, Vec8 x) { _mm256_storeu_ps(p, x.v); }
-// hi * 256 + lo.
-inline Sums add_shifted(Sums hi, Sums lo) { return {_mm256_add_epi32(_mm256_slli_epi32(hi.v, 8), lo.v)}; }
 inline Vec8 to_float(Sums x) { return {_mm256_cvtepi32_ps(x.v)}; }
 inline Vec8 set1_8(float x) { return {_mm256_set1_ps(x)}; }
 // Lanes 0-3 take lo, 4-7 hi.
 inline Vec8 halves(float lo, float hi) { return {_mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi))}; }
+// Every lane takes lane 0's value (low_half) or lane 4's (high_half).
+inline Vec8 low_half(Vec8 x) { return {_mm256_permutevar8x32_ps(x.v, _mm256_setzero_si256())}; }
+inline Vec8 high_half(Vec8 x) { return {_mm256_permutevar8x32_ps(x.v, _mm256_set1_epi32(4))}; }
 inline Vec8 zero8() { return {_mm256_setzero_ps()}; }
+inline Vec8 add8(Vec8 a, Vec8 b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec8 mul8(Vec8 a, Vec8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec8 fmadd8(Vec8 a, Vec8 b, Vec8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline float reduce_add8(Vec8 x) {
@@ -409,6 +440,9 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 struct Bytes {
   int8_t v[32];
 };
+struct Words {
+  int16_t v[32];
+};
 struct Sums {
   int32_t v[8];
 };
@@ -420,11 +454,6 @@ inline Bytes load_bytes(const void* p) {
   std::memcpy(b.v, p, 32);
   return b;
 }
-inline Bytes unpack_nibbles(const uint8_t* p) {
-  Bytes b;
-  for (int j = 0; j < 16; j++) b.v[j] = int8_t(p[j] & 0x0f), b.v[j + 16] = int8_t(p[j] >> 4);
-  return b;
-}
 inline Bytes bits(Bytes x, int shift, uint8_t mask) {
   for (int8_t& v : x.v) v = int8_t((uint8_t(v) >> shift) & mask);
   return x;
@@ -433,35 +462,55 @@ inline Bytes join_nibbles(Bytes lo, Bytes hi, uint8_t bias) {
   for (int j = 0; j < 32; j++) lo.v[j] = int8_t(uint8_t(lo.v[j] | (hi.v[j] << 4)) - bias);
   return lo;
 }
-inline Sums dot_u8s8(Bytes u, Bytes s) {
+inline Words widen(Bytes x) {
+  Words w;
+  for (int j = 0; j < 32; j++) w.v[j] = x.v[j];
+  return w;
+}
+inline Words byte_words(const void* p) { return widen(load_bytes(p)); }
+inline Words nibble_words(const uint8_t* p) {
+  Words w;
+  for (int j = 0; j < 16; j++) w.v[j] = int16_t(p[j] & 0x0f), w.v[j + 16] = int16_t(p[j] >> 4);
+  return w;
+}
+inline Words low_nibble_words(const uint8_t* p) {
+  Words w;
+  for (int j = 0; j < 32; j++) w.v[j] = int16_t(p[j] & 0x0f);
+  return w;
+}
+inline Words high_nibble_words(const uint8_t* p) {
+  Words w;
+  for (int j = 0; j < 32; j++) w.v[j] = int16_t(p[j] >> 4);
+  return w;
+}
+inline Words load_words(const int16_t* p) {
+  Words w;
+  std::memcpy(w.v, p, 64);
+  return w;
+}
+inline Sums dot_halves(Words w, Words x) {
   Sums r{};
-  for (int j = 0; j < 32; j++) r.v[j / 4] += int32_t(uint8_t(u.v[j])) * s.v[j];
+  for (int j = 0; j < 32; j++) r.v[j / 4] += int32_t(w.v[j]) * x.v[j];
   return r;
 }
-inline Sums dot_s8s8(Bytes a, Bytes s) {
-  Sums r{};
-  for (int j = 0; j < 32; j++) r.v[j / 4] += int32_t(a.v[j]) * s.v[j];
-  return r;
-}
-inline Sums add_shifted(Sums hi, Sums lo) {
-  for (int j = 0; j < 8; j++) hi.v[j] = hi.v[j] * 256 + lo.v[j];
-  return hi;
-}
-inline void widen_block(Bytes q, Vec8 out[4]) {
-  for (int g = 0; g < 4; g++)
-    for (int j = 0; j < 8; j++) out[g].v[j] = float(q.v[8 * g + j]);
-}
-inline void store8(float* p, Vec8 x) { std::memcpy(p, x.v, 32); }
+inline Sums dot(Words w, Words x) { return dot_halves(w, x); }
 template <typename F>
 inline Vec8 map8(F f) {
   Vec8 r;
   for (int j = 0; j < 8; j++) r.v[j] = f(j);
   return r;
 }
+inline void widen_block(Words q, Vec8 out[4]) {
+  for (int g = 0; g < 4; g++) out[g] = map8([&](int j) { return float(q.v[8 * g + j]); });
+}
+inline void store8(float* p, Vec8 x) { std::memcpy(p, x.v, 32); }
 inline Vec8 to_float(Sums x) { return map8([&](int j) { return float(x.v[j]); }); }
 inline Vec8 set1_8(float x) { return map8([x](int) { return x; }); }
 inline Vec8 halves(float lo, float hi) { return map8([=](int j) { return j < 4 ? lo : hi; }); }
+inline Vec8 low_half(Vec8 x) { return set1_8(x.v[0]); }
+inline Vec8 high_half(Vec8 x) { return set1_8(x.v[4]); }
 inline Vec8 zero8() { return set1_8(0.0f); }
+inline Vec8 add8(Vec8 a, Vec8 b) { return map8([&](int j) { return a.v[j] + b.v[j]; }); }
 inline Vec8 mul8(Vec8 a, Vec8 b) { return map8([&](int j) { return a.v[j] * b.v[j]; }); }
 inline Vec8 fmadd8(Vec8 a, Vec8 b, Vec8 c) { return map8([&](int j) { return std::fma(a.v[j], b.v[j], c.v[j]); }); }
 inline float reduce_add8(Vec8 x) {

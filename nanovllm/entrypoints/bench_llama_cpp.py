@@ -1,0 +1,107 @@
+"""llama.cpp as a comparison engine for `nanovllm bench --compare llama.cpp`, through
+llama-cpp-python's low-level API (an optional extra: `pip install llama-cpp-python`, which pip
+builds from source).
+
+The GGUF file the engine runs is loaded as it is, with the same thread count. Every request of a
+workload shares one context: a unified KV cache as large as the workload needs, one sequence id a
+request, and each `llama_decode` takes a batch of up to 2,048 tokens (our default step budget):
+every running request's next token first, then prompt chunks, logits only where a token is
+sampled. Tokens are sampled by llama.cpp's own sampler chain (temperature then a seeded draw, or
+greedy), so no numpy runs over the vocabulary. This is how llama.cpp's own batched server and
+`llama-batched-bench` drive it; the high-level `Llama` object runs one sequence at a time.
+"""
+
+import ctypes
+
+STEP_TOKENS = 2048
+
+
+class LlamaCppRunner:
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str, threads: int, max_sequences: int, context_tokens: int):
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise SystemExit("error: --compare llama.cpp needs llama-cpp-python: pip install llama-cpp-python "
+                             "(pip builds it from source, several minutes)") from e
+        import time
+
+        start = time.perf_counter()
+        self.lib = lib = llama_cpp
+        self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # kept: C holds the pointer
+        lib.llama_log_set(self._quiet, ctypes.c_void_p())
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(gguf_path.encode(), lib.llama_model_default_params())
+        if not self.model:
+            raise SystemExit(f"error: llama.cpp could not load {gguf_path}")
+        params = lib.llama_context_default_params()
+        params.n_ctx = context_tokens
+        params.n_batch = STEP_TOKENS
+        params.n_seq_max = max_sequences
+        params.kv_unified = True
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise SystemExit(f"error: llama.cpp could not make a context of {context_tokens} tokens")
+        self.batch = lib.llama_batch_init(STEP_TOKENS, 0, 1)
+        self.startup_s = time.perf_counter() - start
+        self.compile_s = 0.0
+        self.dtype = "the file's types"
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+    def _sampler(self, temperature: float, seed: int = 0):
+        lib = self.lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if temperature > 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(temperature))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
+        else:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        return chain
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> None:
+        lib, batch = self.lib, self.batch
+        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        sampler = self._sampler(temperature)
+        pending = [list(p) for p in prompts]  # each request's tokens not yet decoded
+        position = [0] * len(prompts)
+        left = list(max_tokens)
+        running = [i for i in range(len(prompts)) if left[i] > 0]
+        try:
+            while running:
+                # Requests with one token pending (decodes) go first, then prompt chunks.
+                order = sorted(running, key=lambda i: len(pending[i]) > 1)
+                n, samples = 0, []
+                for i in order:
+                    take = min(len(pending[i]), STEP_TOKENS - n)
+                    if take == 0:
+                        break
+                    for j in range(take):
+                        batch.token[n] = pending[i][j]
+                        batch.pos[n] = position[i] + j
+                        batch.n_seq_id[n] = 1
+                        batch.seq_id[n][0] = i
+                        batch.logits[n] = False
+                        n += 1
+                    del pending[i][:take]
+                    position[i] += take
+                    if not pending[i]:  # the request's last token: sample after it
+                        batch.logits[n - 1] = True
+                        samples.append((i, n - 1))
+                batch.n_tokens = n
+                if lib.llama_decode(self.ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed (the context is too small for the workload?)")
+                for i, row in samples:
+                    token = lib.llama_sampler_sample(sampler, self.ctx, row)
+                    left[i] -= 1
+                    if left[i] > 0:
+                        pending[i].append(token)
+                    else:
+                        running.remove(i)
+        finally:
+            lib.llama_sampler_free(sampler)
