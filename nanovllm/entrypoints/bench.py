@@ -155,8 +155,8 @@ def llama_cpp_runner(model_path: str):
     if not model_path.endswith(".gguf"):
         raise SystemExit(f"error: --compare llama.cpp runs GGUF files; {model_path} is not one")
     w1 = throughput_workload()
-    context = max(w1.prompt_tokens + w1.output_tokens, W2_PROMPT_LEN + W2_OUTPUT_LEN) + 256
-    return LlamaCppRunner(model_path, torch.get_num_threads(), len(w1.prompts), context)
+    longest = max([len(p) + n for p, n in zip(w1.prompts, w1.max_tokens)] + [W2_PROMPT_LEN + W2_OUTPUT_LEN])
+    return LlamaCppRunner(model_path, torch.get_num_threads(), len(w1.prompts), -(-longest // 256) * 256)
 
 
 def run_throughput(runner, workload: Workload) -> Throughput:
