@@ -86,18 +86,22 @@ TP_CASES = {
     "qwen3-replicated-kv": ("Qwen3ForCausalLM", dict(head_dim=32, num_key_value_heads=1)),
     # q/k/v biases (added once, on rank 0) and an odd vocabulary (a padded shard).
     "qwen2-padded-vocab": ("Qwen2ForCausalLM", dict(vocab_size=321)),
+    # Weights quantized at load to Q8_0 blocks: column shards cut rows of blocks, row-parallel
+    # shards whole blocks of each row (32 of the 64 inputs of o_proj a rank).
+    "llama-q8_0-blocks": ("LlamaForCausalLM", dict(quantization="q8_0")),
 }
 
 
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tp2_matches_tp1_with_prefix_caching_and_preemption(case, tmp_path):
-    arch, overrides = TP_CASES[case]
+    arch, overrides = TP_CASES[case][0], dict(TP_CASES[case][1])
+    engine = dict(ENGINE, quantization=overrides.pop("quantization", None))
     path = str(make_tiny_checkpoint(tmp_path, arch, **overrides))
-    reference = LLM(path, **ENGINE)
+    reference = LLM(path, **engine)
     with one_thread():
         expected = run_workload(reference)
     with hang_guard(180):
-        llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+        llm = LLM(path, tensor_parallel_size=2, **engine)
         workers = llm.llm_engine.executor.workers.procs
         assert run_workload(llm) == expected
         metrics = llm.get_metrics()

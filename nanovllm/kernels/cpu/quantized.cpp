@@ -278,7 +278,7 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 // the rows that take this path.
 template <class F>
 at::Tensor dequantized_linear(const at::Tensor& x32, const uint8_t* w, int64_t w_stride, int64_t N, int64_t K) {
-  const int64_t M = x32.size(0), panel_rows = std::max<int64_t>(16, (int64_t(8) << 20) / K);
+  const int64_t M = x32.size(0), panel_rows = std::max<int64_t>(16, (int64_t(1) << 20) / K);
   if (N <= panel_rows) {
     at::Tensor weight = at::empty({N, K}, x32.options());
     dequantize_rows<F>(w, w_stride, N, K, weight.data_ptr<float>());

@@ -11,11 +11,15 @@ embedding looks up rows of blocks and dequantizes only those.
 import torch
 from torch import nn
 
+from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.quantization.base import LinearMethod
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
 # Rows up to which the integer kernel runs; above, dequantize-then-GEMM (benchmarks/RESULTS.md).
+# A vocabulary-sized projection (the LM head) always takes the integer path: dequantizing its ~28M
+# values costs more than a GEMM saves at the row counts a step samples.
 MAX_INTEGER_ROWS = 16
+VOCABULARY_MAX_INTEGER_ROWS = 1 << 30
 
 
 class CPUGGUFLinearMethod(LinearMethod):
@@ -23,6 +27,7 @@ class CPUGGUFLinearMethod(LinearMethod):
         self.qtype = qtype
         self.type_id = BLOCK_TYPES[qtype]
         self.dtype = dtype  # of activations, and of the rows an embedding looks up
+        self.max_integer_rows = MAX_INTEGER_ROWS
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         """The blocks parameter (a bias, when there is one, stays the layer's dense parameter)."""
@@ -36,6 +41,8 @@ class CPUGGUFLinearMethod(LinearMethod):
         output_size, input_size = layer.weight.shape
         self.create_weights(layer, input_size, output_size, bias=False)
         layer.linear_method = self
+        if isinstance(layer, VocabParallelEmbedding):  # the table an LM head multiplies (when tied, too)
+            self.max_integer_rows = VOCABULARY_MAX_INTEGER_ROWS
 
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
@@ -46,7 +53,7 @@ class CPUGGUFLinearMethod(LinearMethod):
         return load
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, MAX_INTEGER_ROWS)
+        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, self.max_integer_rows)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
