@@ -79,7 +79,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}; "
                              f"got {self.quantization!r}")
-        self.checkpoint.block_types(self.quantization)  # refuses a quantization the format does not take
+        self.checkpoint.check_quantization(self.quantization)
 
     def _resolve_model(self):
         from nanovllm.loader.checkpoint import open_checkpoint

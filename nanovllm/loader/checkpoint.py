@@ -51,6 +51,9 @@ class HFCheckpoint:
             raise ValueError(f"model directory {self.path!r} has a tokenizer that cannot be loaded (from "
                              f"{', '.join(files)}): {type(e).__name__}: {_one_line(e)}") from e
 
+    def check_quantization(self, quantization: str | None) -> None:
+        """Every value of EngineConfig.quantization applies to a Hugging Face checkpoint."""
+
     def eos_token_ids(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
         """Every EOS id the model declares: config, generation_config.json and tokenizer."""
         ids = set(_as_list(getattr(config, "eos_token_id", None)))
@@ -64,9 +67,8 @@ class HFCheckpoint:
     def block_types(self, quantization: str | None) -> dict[str, str]:
         """Tensor name -> GGML type for the tensors to quantize at load (`quantization` q8_0 or
         q4_0: every matrix; the layers that cannot take blocks load them dense). As in llama.cpp's
-        Q4_0 files, the embedding and LM head keep 8 bits (Q8_0): on the default model's weights
-        q4_0 with them at 4 bits has a mean KL divergence of 0.35, at 8 bits 0.25
-        (benchmarks/RESULTS.md)."""
+        Q4_0 files, the embedding and LM head keep 8 bits (Q8_0): at 4 bits they cost the most
+        quality (eval-kl figures in benchmarks/RESULTS.md)."""
         if quantization not in LOAD_TIME_TYPES:
             return {}
         qtype = LOAD_TIME_TYPES[quantization]
@@ -96,12 +98,14 @@ class GGUFCheckpoint:
     def eos_token_ids(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
         return set(gguf.gguf_eos_token_ids(self.path, tokenizer))
 
-    def block_types(self, quantization: str | None) -> dict[str, str]:
-        """Tensor name -> GGML type of the matrices the file stores in blocks the engine can keep
-        (all of them unless `quantization` is "dense")."""
+    def check_quantization(self, quantization: str | None) -> None:
         if quantization in LOAD_TIME_TYPES:
             raise ValueError(f"quantization={quantization!r} quantizes a Hugging Face checkpoint at load; "
                              f"{self.path} is a GGUF file, already quantized: leave quantization unset")
+
+    def block_types(self, quantization: str | None) -> dict[str, str]:
+        """Tensor name -> GGML type of the matrices the file stores in blocks the engine can keep
+        (all of them unless `quantization` is "dense")."""
         return {} if quantization == "dense" else gguf.gguf_block_types(self.path)
 
     def weights(self, dtype: torch.dtype, blocks: dict[str, str] | None = None

@@ -28,6 +28,12 @@ def row_bytes(qtype: str, in_features: int) -> int:
     return in_features // values * nbytes
 
 
+def row_values(qtype: str, row_bytes: int) -> int:
+    """The in_features a row of `row_bytes` bytes of blocks holds."""
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return row_bytes // nbytes * values
+
+
 @dataclass
 class QuantizedTensor:
     """A [rows, in_features] weight as uint8 blocks [rows, row_bytes(qtype, in_features)]."""
@@ -35,10 +41,6 @@ class QuantizedTensor:
     blocks: torch.Tensor
     qtype: str
     in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.blocks.shape[0], self.in_features
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, qtype: str) -> "QuantizedTensor":

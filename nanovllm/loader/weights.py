@@ -54,6 +54,7 @@ def keep_in_blocks(model: nn.Module, block_types: dict[str, str],
     head and its embedding) switch together. The others stay dense and their tensors are
     dequantized: a packed layer whose parts differ in type, a type the platform does not run,
     or a shard narrower than a block; one log line counts them."""
+    # Imported here: every layer imports this module, and loader.quantized pulls in gguf.
     from nanovllm.loader.quantized import block_values
 
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})

@@ -19,9 +19,9 @@ from torch import nn
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.quantization import UnquantizedLinearMethod
-from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.platforms import Platform

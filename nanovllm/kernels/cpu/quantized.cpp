@@ -3,14 +3,13 @@
 //
 // A few rows of x (decode) take the integer path, much as llama.cpp does: each row of x is
 // quantized once to blocks of 32 with an fp32 scale (and its sum, for the formats with an offset),
-// and each 32 values of a weight row meet it in integer dot products, scaled in fp32 by both
-// blocks' scales. The weight then streams from memory once at its own size (0.56-1.06 bytes a
-// value), the point of a quantized file on a CPU. Unlike llama.cpp, x keeps 16 bits a value, as
-// two 8-bit parts with a dot product each: 8 bits alone cost the default model 1-2 points of
-// top-1 agreement with the dense model, 16 bits about 10% more time at one row
-// (benchmarks/RESULTS.md). Many rows (prefill) dequantize the weight into fp32 for one GEMM:
-// there the GEMM's cost dwarfs the dequantization, and the product is exact over the weight's
-// values.
+// and each 32 values of a weight row, widened to 16-bit integers, meet it in integer dot products
+// scaled in fp32 by both blocks' scales. The weight then streams from memory once at its own size
+// (0.56-1.06 bytes a value), the point of a quantized file on a CPU. Unlike llama.cpp's 8 bits, x
+// keeps 16 bits a value: with 8 the default model misses the quality floor of top-1 agreement
+// with its dense self (benchmarks/RESULTS.md). Many rows (prefill) dequantize the weight into
+// fp32 for a GEMM: there the GEMM's cost dwarfs the dequantization, and the product is exact over
+// the weight's values.
 
 #include "ops.h"
 #include "simd.h"
@@ -40,11 +39,11 @@ inline float half_at(const uint8_t* p) {
 // Each format as the kernels see it: a block of kValues values in kBytes bytes, visited as chunks
 // of 32 values: visit(chunk, q, scale, offset) where value j of the chunk is q[j] * scale + offset,
 // the scale one for the chunk or, where kScalePer16, one per 16 values (lanes 0-3 and 4-7 of the
-// Vec8, as dot_halves leaves the sums), and the offset 0 where not kOffset. The layouts are ggml's (gguf-py's quants.py reads them the
-// same way).
+// Vec8, as dot_halves leaves the sums), and the offset 0 where not kOffset. kType is the GGML type
+// id. The layouts are ggml's (gguf-py's quants.py reads them the same way).
 
 struct Q8_0 {
-  static constexpr int kValues = 32, kBytes = 34;
+  static constexpr int kType = 8, kValues = 32, kBytes = 34;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = false;
   template <class Visit>
@@ -54,7 +53,7 @@ struct Q8_0 {
 };
 
 struct Q4_0 {
-  static constexpr int kValues = 32, kBytes = 18;
+  static constexpr int kType = 2, kValues = 32, kBytes = 18;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
   template <class Visit>
@@ -65,7 +64,7 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
-  static constexpr int kValues = 32, kBytes = 20;
+  static constexpr int kType = 3, kValues = 32, kBytes = 20;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
   template <class Visit>
@@ -77,7 +76,7 @@ struct Q4_1 {
 // 256 values: d, dmin (fp16), 8 six-bit scales and mins packed in 12 bytes, then 128 bytes whose
 // low nibbles are chunk 2j and high nibbles chunk 2j+1 for each 32 bytes j.
 struct Q4_K {
-  static constexpr int kValues = 256, kBytes = 144;
+  static constexpr int kType = 12, kValues = 256, kBytes = 144;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
   static std::pair<int, int> scale_min(const uint8_t* s, int j) {
@@ -101,7 +100,7 @@ struct Q4_K {
 // 256 values of 6 bits: low nibbles in ql[128], the top two bits in qh[64], 16 int8 scales (one
 // per 16 values), then d (fp16). Each half of 128 values reads 64 bytes of ql and 32 of qh.
 struct Q6_K {
-  static constexpr int kValues = 256, kBytes = 210;
+  static constexpr int kType = 14, kValues = 256, kBytes = 210;
   static constexpr bool kScalePer16 = true;
   static constexpr bool kOffset = false;
   template <class Visit>
@@ -273,9 +272,9 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
   });
 }
 
-// x (fp32) W^T through fp32 GEMMs on the weight dequantized, up to 32 MB of it at a time (a whole
-// layer's, bar the largest LM heads): the dequantization, ~0.1 ns a value, is small beside a GEMM of
-// the rows that take this path.
+// x (fp32) W^T through fp32 GEMMs on the weight dequantized, up to 1M values (4 MB, cache-sized) at
+// a time: a whole layer's but an LM head's. The dequantization is small beside a GEMM of the rows
+// that take this path.
 template <class F>
 at::Tensor dequantized_linear(const at::Tensor& x32, const uint8_t* w, int64_t w_stride, int64_t N, int64_t K) {
   const int64_t M = x32.size(0), panel_rows = std::max<int64_t>(16, (int64_t(1) << 20) / K);
@@ -297,11 +296,11 @@ at::Tensor dequantized_linear(const at::Tensor& x32, const uint8_t* w, int64_t w
 template <class Body>
 void with_format(int64_t type, Body&& body) {
   switch (type) {
-    case 8: return body(Q8_0{});
-    case 2: return body(Q4_0{});
-    case 3: return body(Q4_1{});
-    case 12: return body(Q4_K{});
-    case 14: return body(Q6_K{});
+    case Q8_0::kType: return body(Q8_0{});
+    case Q4_0::kType: return body(Q4_0{});
+    case Q4_1::kType: return body(Q4_1{});
+    case Q4_K::kType: return body(Q4_K{});
+    case Q6_K::kType: return body(Q6_K{});
   }
   TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), "
               "Q6_K (14)");

@@ -12,7 +12,8 @@ class LinearMethod(ABC):
 
     `create_weights` gives the layer the parameters a checkpoint loads into (each wired to the
     layer's `weight_loader`); `process_weights_after_loading` may then repack them for a kernel;
-    `apply` runs the product (and `embed` looks rows up, where the weight is an embedding's). Chosen once, at load time: no layer checks a device or a flag."""
+    `apply` runs the product, and `embed` looks rows up where the weight is an embedding's.
+    Chosen once, at load time: no layer checks a device or a flag."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None: ...

@@ -13,7 +13,7 @@ from torch import nn
 
 from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.quantization.base import LinearMethod
-from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
+from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes, row_values
 
 # Rows up to which the integer kernel runs; above, dequantize-then-GEMM (benchmarks/RESULTS.md).
 # A vocabulary-sized projection (the LM head) always takes the integer path: dequantizing its ~28M
@@ -34,7 +34,6 @@ class CPUGGUFLinearMethod(LinearMethod):
         blocks = torch.empty(output_size, row_bytes(self.qtype, input_size), dtype=torch.uint8)
         layer.weight = nn.Parameter(blocks, requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
-        layer.in_features = input_size
 
     def install(self, layer: nn.Module) -> None:
         """Replace a layer's dense weight (not yet loaded) by blocks of the same rows and columns."""
@@ -57,5 +56,5 @@ class CPUGGUFLinearMethod(LinearMethod):
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
-        values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.type_id, layer.in_features)
+        values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.type_id, row_values(self.qtype, rows.shape[1]))
         return values.to(self.dtype).view(*ids.shape, -1)
