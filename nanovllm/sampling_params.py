@@ -4,15 +4,72 @@ The one source of truth for what a request may ask for: the OpenAI server builds
 and every message starts with the field's name (the server reports it as the error's
 `param`). Values are checked as they will be stored: floats finite in float32, integers
 within int64. What depends on the model (token ids and top_k within the vocabulary) is
-checked by `check_against_vocabulary` when the engine admits the request.
+checked by `check_against_vocabulary` when the engine admits the request, and a constraint's
+schema, regex or grammar when the engine compiles it (engine/structured_output.py).
 """
 
+import json
 import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # top-N log-probabilities per token, at most (vLLM's default max_logprobs)
 FLOAT32_MAX = 3.4028234663852886e38
 INT64_MAX = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate, with vLLM's names: exactly one of a JSON
+    schema (a dict or its JSON text), any JSON object, a regular expression, a choice among
+    strings, or a context-free grammar (Lark, or GBNF as llama.cpp writes it)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self):
+        given = [kind for kind in self.KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(self.KINDS)}, "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json must be a JSON schema; its text is not JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+                check_text(f"structured_outputs.{kind}", value)
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            for i, c in enumerate(self.choice):
+                check_text(f"structured_outputs.choice[{i}]", c)
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in self.KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints compile once."""
+        value = getattr(self, self.kind)
+        return self.kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 @dataclass
@@ -36,6 +93,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         _check_int("n", self.n, 1)
@@ -62,6 +121,11 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}")
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_token_ids(self.stop_token_ids)
         self.temperature = float(self.temperature)
@@ -76,6 +140,9 @@ class SamplingParams:
         outside = [t for t in self.stop_token_ids if t >= vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}")
+        outside = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias must map token ids in [0, {vocab_size}) to biases, got ids {outside[:5]}")
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or 0 / -1 to disable "
                              f"it), got {self.top_k}")
@@ -123,6 +190,18 @@ def _stop_strings(stop) -> list[str]:
     for i, s in enumerate(strings):
         check_text(f"stop[{i}]", s)
     return list(strings)
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                         f"got {bias!r}")
+    for token, value in bias.items():
+        if not _is_int(token) or not 0 <= token <= INT64_MAX:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+        _check_float(f"logit_bias[{token}]", value, f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                     lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS)
+    return {token: float(value) for token, value in bias.items()}
 
 
 def _stop_token_ids(ids) -> list[int]:

@@ -17,6 +17,7 @@ from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sampler import SamplerOutput, TokenLogprobs
 from nanovllm.engine.sequence import Request
 from nanovllm.engine.stop import StopChecker
+from nanovllm.engine.structured_output import StructuredOutputs
 from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from nanovllm.sampling_params import SamplingParams, check_text
 
@@ -30,6 +31,7 @@ class LLMEngine:
             self.tokenizer = config.checkpoint.tokenizer()
         self.eos_token_ids = config.checkpoint.eos_token_ids(config.hf_config, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.executor = make_executor(config)
         self.block_manager = BlockManager(self.executor.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
@@ -83,7 +85,12 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, sampling_params)
             return StopChecker(sampling_params, max_tokens, max_len, self.eos_token_ids, detokenizer)
 
-        return Request(request_id, text, token_ids, sampling_params, stop_checker)
+        make_grammar = None
+        constraint = sampling_params.structured_outputs
+        if constraint is not None:
+            self.structured_outputs.compile(constraint)  # a schema or grammar it rejects fails here
+            make_grammar = lambda: self.structured_outputs.new_state(constraint)  # noqa: E731
+        return Request(request_id, text, token_ids, sampling_params, stop_checker, make_grammar)
 
     def add_request(self, request_id: str | None, prompt, sampling_params: SamplingParams) -> Request:
         request = self.make_request(prompt, sampling_params, request_id)

@@ -20,6 +20,7 @@ from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
 from nanovllm.engine.sampler import PromptLogprobs, Sampler, SamplerOutput, SamplingBatch, token_logprobs
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.structured_output import grammar_bitmask
 from nanovllm.layers.attention import Attention
 from nanovllm.loader.weights import keep_in_blocks, load_weights
 from nanovllm.models.registry import get_model_class
@@ -203,7 +204,8 @@ class ModelRunner:
                 [seq.sampling_params for seq in sample_seqs], [seq.token_ids for seq in sample_seqs],
                 [seq.num_prompt_tokens for seq in sample_seqs],
                 [seq.stop_checker.banned_token_ids(seq.num_completion_tokens) for seq in sample_seqs],
-                [seq.generator for seq in sample_seqs], logits.shape[1], logits.device)
+                [seq.generator for seq in sample_seqs], logits.shape[1], logits.device,
+                grammar_bitmask([seq.grammar for seq in sample_seqs], logits.shape[1]))
             out = self.sampler(logits[num_prompt_rows:], sampling, self.generator)
         out.prompt_logprobs = self._prompt_logprobs(prompt_spans, logits[:num_prompt_rows])
         return out

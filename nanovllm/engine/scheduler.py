@@ -128,7 +128,10 @@ class Scheduler:
             token = next(tokens)
             seq.token_ids.append(token)
             advanced.append(seq)
-            stop = seq.stop_checker.check(token, seq.num_completion_tokens, seq.num_tokens)
+            if seq.grammar is not None:
+                seq.grammar.advance(token)
+            stop = seq.stop_checker.check(token, seq.num_completion_tokens, seq.num_tokens,
+                                          seq.grammar is not None and seq.grammar.finished)
             if stop is not None:
                 self.finish(seq, *stop)
         return advanced

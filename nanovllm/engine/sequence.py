@@ -1,5 +1,6 @@
 """A request and its generation streams (sequences): tokens, how far each stream's KV is
-computed, its block table, its stop checker, and what has been produced for the caller so far."""
+computed, its block table, its stop checker, its grammar state if constrained, and what has been
+produced for the caller so far."""
 
 from collections.abc import Callable
 from enum import Enum, auto
@@ -8,6 +9,7 @@ from itertools import count
 import torch
 
 from nanovllm.engine.stop import StopChecker
+from nanovllm.engine.structured_output import GrammarState
 from nanovllm.outputs import PositionLogprobs
 from nanovllm.sampling_params import SamplingParams
 
@@ -22,13 +24,17 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams,
-                 stop_checker: StopChecker | None = None, index: int = 0, parent: "Sequence | None" = None):
+                 stop_checker: StopChecker | None = None, index: int = 0, parent: "Sequence | None" = None,
+                 grammar: GrammarState | None = None):
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
         # Decides when this sequence ends (by default from its params alone: no EOS, no text).
         self.stop_checker = stop_checker or StopChecker(sampling_params)
+        # Where this stream stands in its structured-output constraint (rank 0 only); it has
+        # consumed every generated token, so it survives preemption as it is.
+        self.grammar = grammar
         # The n completions of one request: index i > 0 forks the prompt blocks of index 0.
         self.index = index
         self.parent = parent
@@ -86,15 +92,19 @@ class Request:
     """One prompt submitted by a caller and its `n` sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, make_stop_checker: Callable[[], StopChecker] | None = None):
-        """`make_stop_checker` gives each sequence its own checker (a detokenizer follows one stream)."""
+                 sampling_params: SamplingParams, make_stop_checker: Callable[[], StopChecker] | None = None,
+                 make_grammar: Callable[[], GrammarState] | None = None):
+        """`make_stop_checker` gives each sequence its own checker (a detokenizer follows one
+        stream), `make_grammar` its own grammar state when the request is constrained."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         make = make_stop_checker or (lambda: StopChecker(sampling_params))
-        first = Sequence(prompt_token_ids, sampling_params, make())
-        self.seqs = [first] + [Sequence(prompt_token_ids, sampling_params, make(), index=i, parent=first)
+        grammar = make_grammar or (lambda: None)
+        first = Sequence(prompt_token_ids, sampling_params, make(), grammar=grammar())
+        self.seqs = [first] + [Sequence(prompt_token_ids, sampling_params, make(), index=i, parent=first,
+                                        grammar=grammar())
                                for i in range(1, sampling_params.n)]
         for seq in self.seqs:
             seq.request_id = request_id

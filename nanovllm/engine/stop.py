@@ -1,7 +1,8 @@
 """When one sequence ends, and why: every stopping rule of a request in one place.
 
 A `StopChecker` per sequence owns the EOS ids, stop token ids, stop strings (through the
-sequence's incremental detokenizer, which it feeds), min_tokens, max_tokens and max_model_len.
+sequence's incremental detokenizer, which it feeds), min_tokens, max_tokens and max_model_len,
+and ends a constrained sequence whose grammar is complete.
 After each token it says whether the sequence ends (finish_reason, stop_reason); before each
 draw it says which ids the sampler must hold back, so min_tokens is enforced here alone. The
 scheduler frees what it reports finished; aborts and failed steps end sequences elsewhere.
@@ -12,8 +13,8 @@ from collections.abc import Iterable
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.sampling_params import SamplingParams
 
-# (finish_reason, stop_reason): ("stop", the stop token id, the stop string, or None for EOS),
-# or ("length", None).
+# (finish_reason, stop_reason): ("stop", the stop token id, the stop string, or None for EOS or
+# a complete grammar), or ("length", None).
 Stop = tuple[str, int | str | None]
 
 
@@ -40,9 +41,11 @@ class StopChecker:
         """The ids the next draw must not pick: those that would end the sequence too early."""
         return [] if self._may_stop(num_output_tokens) else self._ending_ids
 
-    def check(self, token: int, num_output_tokens: int, num_tokens: int) -> Stop | None:
+    def check(self, token: int, num_output_tokens: int, num_tokens: int, grammar_finished: bool = False
+              ) -> Stop | None:
         """Take the token just appended (the sequence now holds num_tokens, num_output_tokens of
-        them generated); returns why the sequence ends, or None if it goes on."""
+        them generated; `grammar_finished`: its constraint allows nothing more); returns why the
+        sequence ends, or None if it goes on."""
         may_stop = self._may_stop(num_output_tokens)
         stop = None
         if may_stop and token in self.stop_token_ids:
@@ -56,6 +59,8 @@ class StopChecker:
         # A stop string completed by the last token the length limit allows is a stop, as in vLLM.
         if stop is None and stop_string is not None:
             stop = ("stop", stop_string)
+        if stop is None and grammar_finished:  # before min_tokens too: no token could follow
+            stop = ("stop", None)
         if stop is None and (self._at_limit(self.max_tokens, num_output_tokens)
                              or self._at_limit(self.max_model_len, num_tokens)):
             stop = ("length", None)

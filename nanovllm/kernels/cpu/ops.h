@@ -33,6 +33,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 
 // sampling.cpp
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms);
+void mask_disallowed(at::Tensor& logits, const at::Tensor& bitmask);
 
 // elementwise.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);

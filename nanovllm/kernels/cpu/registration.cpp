@@ -23,6 +23,7 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor context_lens, Tensor block_tables, float scale) -> ()");
   m.def("sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
+  m.def("mask_disallowed(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -39,6 +40,7 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("store_kv", &nanovllm_cpu::store_kv);
   m.impl("paged_attention", &nanovllm_cpu::paged_attention);
   m.impl("sample_rows", &nanovllm_cpu::sample_rows);
+  m.impl("mask_disallowed", &nanovllm_cpu::mask_disallowed);
   m.impl("silu_and_mul", &nanovllm_cpu::silu_and_mul);
   m.impl("rms_norm", &nanovllm_cpu::rms_norm);
   m.impl("add_rms_norm", &nanovllm_cpu::add_rms_norm);

@@ -1,10 +1,12 @@
-// sample_rows: the sampler's random draw (nanovllm/engine/sampler.py), one token per row.
+// The sampler's per-row work (nanovllm/engine/sampler.py): sample_rows, the random draw of one
+// token per row; mask_disallowed, a grammar's bitmask of allowed tokens applied to the logits.
 
 #include "ops.h"
 #include "simd.h"
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -68,6 +70,33 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
     }
   });
   return tokens;
+}
+
+// Sets to -inf every logit whose bit in the row's bitmask is clear (bit j of word w: token
+// 32 * w + j, llguidance's layout). Most words of a constrained row are 0 (a grammar allows
+// few tokens at a time), and those are a plain fill; all-ones words (unconstrained rows, or
+// free text inside a string) are skipped.
+void mask_disallowed(at::Tensor& logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits: [rows, vocab] fp32 with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous() &&
+                  bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "bitmask: [rows, ceil(vocab / 32)] int32");
+  const int64_t n = logits.size(0), V = logits.size(1), words = bitmask.size(1);
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; row++) {
+      float* l = logits.data_ptr<float>() + row * logits.stride(0);
+      const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()) + row * words;
+      for (int64_t w = 0; w * 32 < V; w++) {
+        const uint32_t word = bits[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t count = std::min<int64_t>(32, V - w * 32);
+        for (int64_t j = 0; j < count; j++)
+          if (!((word >> j) & 1u)) l[w * 32 + j] = kMinusInf;
+      }
+    }
+  });
 }
 
 }  // namespace nanovllm_cpu
