@@ -380,13 +380,15 @@ def test_bad_requests_get_openai_errors(server, case):
 
 
 def test_bad_chat_requests(client):
-    with pytest.raises(openai.BadRequestError, match="role"):
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       response_format={"type": "json_object"})
+                                       response_format={"type": "xml"})
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.AuthenticationError):

@@ -33,6 +33,14 @@ CACHED_GRAMMARS = 256
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+class ConstraintError(ValueError):
+    """llguidance rejected a constraint: `kind` is the StructuredOutputsParams field, `reason` its words."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(f"structured_outputs.{kind} is not valid: {reason}")
+        self.kind, self.reason = kind, reason
+
+
 class GrammarState:
     """One sequence's position in its grammar."""
 
@@ -63,6 +71,11 @@ class StructuredOutputs:
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (about a second)
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
 
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now rather than at the first constraint."""
+        with self._lock:
+            self._llg_tokenizer()
+
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
@@ -71,7 +84,7 @@ class StructuredOutputs:
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """The constraint's matcher at its start state, from the cache when compiled before.
-        Raises ValueError naming the field when llguidance rejects the schema, regex or grammar."""
+        Raises ConstraintError when llguidance rejects the schema, regex or grammar."""
         key = params.key
         with self._lock:
             matcher = self._compiled.get(key)
@@ -82,7 +95,7 @@ class StructuredOutputs:
         grammar = _grammar(params)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind} is not valid: {_first_line(matcher.get_error())}")
+            raise ConstraintError(params.kind, _summary(matcher.get_error()))
         # The first mask builds the lexer's start state, which every copy then shares.
         bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
         llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
@@ -119,21 +132,22 @@ def grammar_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch
 def _grammar(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for one constraint."""
     kind = params.kind
-    if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(params.regex)
-    if kind == "choice":
-        return llguidance.grammar_from("choice", params.choice)
     try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", params.choice)
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise ValueError(f"structured_outputs.grammar is not valid: {_first_line(str(e))}") from None
+        raise ConstraintError(kind, _summary(str(e))) from None
 
 
-def _first_line(message: str) -> str:
+def _summary(message: str) -> str:
     """llguidance's messages span lines (the grammar quoted, a caret under the fault): the first
-    says what is wrong."""
-    return message.strip().split("\n", 1)[0]
+    says what is wrong, and an `error:` line, if any, why."""
+    lines = [line.strip() for line in message.strip().split("\n")]
+    return " ".join([lines[0]] + [line for line in lines[1:] if line.startswith("error:")])

@@ -6,14 +6,16 @@ every field, known or not, as in OpenAI's API. Types are strict: "5" is not an i
 true is not 1. Values are range-checked by SamplingParams, whose messages name the field.
 Besides OpenAI's fields, vLLM's sampling extras are accepted (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-include_stop_str_in_output), with vLLM's meanings.
+include_stop_str_in_output) and its `structured_outputs` (json, regex, choice, grammar,
+json_object), with vLLM's meanings; `response_format` maps onto the same constraints.
 """
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams, check_text
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, check_text
 
 
 def _valid_text(text: str) -> str:
@@ -57,6 +59,38 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Text
+    description: Text | None = None
+    json_schema: dict = Field(default_factory=dict, alias="schema")  # none given: any JSON value
+    strict: bool | None = None  # honoured either way: the output always matches the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema must be given exactly when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` field: one constraint (StructuredOutputsParams' names)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    json_: dict | Text | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -80,6 +114,9 @@ class SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids, as JSON keys, to biases
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -87,16 +124,44 @@ class SamplingRequest(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("response_format and structured_outputs cannot both be given")
+        return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float]) -> dict[str, float]:
+        for key in bias:
+            if not re.fullmatch(r"[0-9]{1,19}", key):
+                raise ValueError(f"logit_bias keys must be token ids (integers, as JSON object keys), got {key!r}")
+        return bias
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's output constraint, and the field that gave it (errors name it)."""
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams(**self.structured_outputs.model_dump(exclude_none=True, by_alias=True)), \
+                "structured_outputs"
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None, "response_format"
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format.json_schema.schema"
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
+        logit_bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias is not None else None
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
+            structured_outputs=self.constraint()[0],
         )
 
     @property
@@ -140,14 +205,61 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallItem(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's past calls
+    tool_call_id: Text | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _role_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may hold tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; none: no arguments
+    strict: bool | None = None  # honoured either way when tool_choice forces a call
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -156,11 +268,37 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tool_names(cls, tools: list[Tool]) -> list[Tool]:
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools must have distinct function names, got {names}")
+        return tools
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise ValueError("tool_choice requires tools")
+            names = [tool.function.name for tool in self.tools]
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not "
+                                 f"among the tools {names}")
+            if self.response_format not in (None, ResponseFormat(type="text")) or self.structured_outputs:
+                raise ValueError("tool_choice that forces a call cannot be combined with response_format "
+                                 "or structured_outputs")
         return self
 
 
@@ -182,9 +320,12 @@ def _as_api_error(e: ValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {', '.join(names)}", param=names[0])
     # Within a union pydantic reports every member's failure: the deepest is the most telling.
     err = max(errors, key=lambda err: len(err["loc"]))
-    param = _location(err["loc"]) or None
     message = err["msg"].removeprefix("Value error, ")
-    return APIError(400, f"Invalid value for '{param}': {message}" if param else message, param=param)
+    # A check across fields (the request's own validator) has no location; its message starts
+    # with the field it is about.
+    param = _location(err["loc"]) or (message.split(" ", 1)[0] if message.split(" ", 1)[0] in _FIELD_NAMES else None)
+    located = param and err["loc"]
+    return APIError(400, f"Invalid value for '{param}': {message}" if located else message, param=param)
 
 
 def _location(loc: tuple, keep_last: bool = False) -> str:
@@ -199,5 +340,7 @@ def _location(loc: tuple, keep_last: bool = False) -> str:
     return text
 
 
-_FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-                for name in model.model_fields}
+_FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
+                                   ResponseFormat, JSONSchemaFormat, StructuredOutputsRequest, FunctionCall,
+                                   ToolCallItem, FunctionDefinition, Tool, FunctionName, NamedToolChoice)
+                for name in model.model_fields} | {"schema", "json"}

@@ -29,6 +29,7 @@ from nanovllm.entrypoints.openai_server.completions import create_completion
 from nanovllm.entrypoints.openai_server.serving import Serving
 from nanovllm.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from nanovllm.entrypoints.server_guards import BrowserGuard, ReadTimeoutH11Protocol, is_loopback, parse_origins
+from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -61,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="SECONDS",
                        help="close the connection of a request whose headers and body have not all arrived "
                             "this many seconds after the server began waiting for it (default: %(default)s)")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), metavar="FORMAT",
+                       help="the format the model writes tool calls in, for tool_choice auto: "
+                            f"{', '.join(sorted(TOOL_PARSERS))} (default: told from the chat template; hermes "
+                            "when it shows none)")
     group.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGINT/SIGTERM, how long in-flight requests may run before they are aborted "
                             "(default: %(default)s)")
@@ -89,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     metrics.watch(engine)
     app = build_app(engine, model_name, metrics, host=args.host, api_key=args.api_key or None,
                     max_body_bytes=args.max_request_body_bytes, allowed_origins=allowed_origins,
-                    max_prompts=args.max_prompts_per_request)
+                    max_prompts=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level or "info", lifespan="off",
                             http=functools.partial(ReadTimeoutH11Protocol, read_timeout=args.request_read_timeout),
                             # A backstop: our own timer aborts in-flight requests before this.
@@ -142,13 +147,14 @@ def served_name(model: str) -> str:
 
 def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, host: str = "127.0.0.1",
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              allowed_origins: Collection[str] = (), max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+              allowed_origins: Collection[str] = (), max_prompts: int = DEFAULT_MAX_PROMPTS,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The routes, behind the browser checks for a server bound to `host`; call it before
     `engine.start()`, while this thread may still read the engine.
 
     Long, as a list of routes and handlers is: each is a short closure over this app's settings,
     and the request handling itself lives in serving, completions and chat."""
-    serving = Serving(engine, model_name, max_prompts)
+    serving = Serving(engine, model_name, max_prompts, tool_call_parser)
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_origins:  # preflights and CORS headers for them; the refusal of others is BrowserGuard's
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],

@@ -1,6 +1,8 @@
-"""POST /v1/chat/completions: the messages through the model's chat template into one engine
-request, its n choices whole or streamed (role first, then content deltas), with chat logprobs."""
+"""POST /v1/chat/completions: the messages (and tools) through the model's chat template into one
+engine request, its n choices whole or streamed (role first, then content and tool-call deltas),
+with chat logprobs."""
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +15,7 @@ from nanovllm.entrypoints.openai_server.serving import (Serving, collect_unless_
                                                         raise_if_failed, sampling_params, sse_response,
                                                         token_usage)
 from nanovllm.entrypoints.openai_server.streaming import StreamedChoices
+from nanovllm.entrypoints.openai_server.tools import ToolCalling
 from nanovllm.entrypoints.protocol import ChatCompletionRequest
 from nanovllm.outputs import CompletionOutput, PositionLogprobs
 
@@ -22,10 +25,17 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, top_logprobs)
-    prompt = serving.apply_chat_template(body)
+    tools = ToolCalling(body, serving.tool_parser)
+    constraint_field = body.constraint()[1]
+    if tools.constraint() is not None:  # required, or a named function
+        params = dataclasses.replace(params, structured_outputs=tools.constraint())
+        constraint_field = "tools"
+    elif tools.active and tools.parser.needs_special_tokens:  # the format's markers are special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    prompt = serving.apply_chat_template(body, tools)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await serving.submit(response_id, [prompt], params)
-    builder = ChatChoices(serving, body)
+    stream = await serving.submit(response_id, [prompt], params, constraint_field)
+    builder = ChatChoices(serving, body, tools)
     if body.stream:
         return sse_response(stream, builder.stream_chunks(stream, response_id))
     finals = await collect_unless_disconnected(stream, request)
@@ -42,14 +52,17 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
 class ChatChoices:
     """Choices of one /v1/chat/completions response: index = completion index."""
 
-    def __init__(self, serving: Serving, body: ChatCompletionRequest):
+    def __init__(self, serving: Serving, body: ChatCompletionRequest, tools: ToolCalling):
         self.serving = serving
         self.body = body
+        self.tools = tools
 
     def whole_choice(self, completion: CompletionOutput) -> dict:
-        return {"index": completion.index, "message": {"role": "assistant", "content": completion.text},
+        message = self.tools.message(completion.text)
+        return {"index": completion.index, "message": message,
                 "logprobs": self._logprobs(completion.token_ids, completion.logprobs) if self.body.logprobs else None,
-                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                "finish_reason": _finish_reason(completion, bool(message.get("tool_calls"))),
+                "stop_reason": completion.stop_reason}
 
     async def stream_chunks(self, stream: RequestStream, response_id: str) -> AsyncIterator[dict]:
         body = self.body
@@ -63,6 +76,7 @@ class ChatChoices:
             yield chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None})
         choices = StreamedChoices(with_logprobs=bool(body.logprobs))
+        tool_streams = {index: self.tools.stream() for index in range(body.n)} if self.tools.active else None
         final = None
         async for output in stream:
             raise_if_failed(output)
@@ -71,13 +85,23 @@ class ChatChoices:
                 step = choices.advance(index, completion)
                 if step is None:
                     continue
-                if step.sends_delta:
+                if tool_streams is not None:
+                    content, calls = tool_streams[index].advance(completion.text, step.finishes)
+                    if content:
+                        yield chunk({"index": index, "delta": {"content": content}, "logprobs": None,
+                                     "finish_reason": None})
+                    if calls:
+                        yield chunk({"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                     "finish_reason": None})
+                elif step.sends_delta:
                     logprobs = self._logprobs(step.token_ids, step.logprobs) if body.logprobs else None
                     yield chunk({"index": index, "delta": {"content": step.text}, "logprobs": logprobs,
                                  "finish_reason": None})
                 if step.finishes:
+                    called = tool_streams is not None and bool(tool_streams[index].ids)
                     yield chunk({"index": index, "delta": {}, "logprobs": None,
-                                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+                                 "finish_reason": _finish_reason(completion, called),
+                                 "stop_reason": completion.stop_reason})
             final = output
         if body.include_usage:
             yield self.serving.chunk(response_id, "chat.completion.chunk", [], usage=token_usage([final]))
@@ -91,6 +115,11 @@ class ChatChoices:
             chosen = position[token_id]
             content.append({**_chat_logprob(chosen.decoded_token, chosen.logprob), "top_logprobs": top})
         return {"content": content}
+
+
+def _finish_reason(completion: CompletionOutput, called_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by calling tools (not cut off by length)."""
+    return "tool_calls" if called_tools and completion.finish_reason == "stop" else completion.finish_reason
 
 
 def _chat_logprob(token: str, logprob: float) -> dict:

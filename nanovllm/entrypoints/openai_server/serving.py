@@ -1,12 +1,14 @@
 """What the endpoints share between API requests and the engine: `Serving` (the model card, the
-server's own tokenizer, prompts and chat templates turned into engine requests, submission,
-response chunks) and the helpers every response uses: sampling values, failed steps as 500s,
-token usage, server-sent events, and a whole response that a client's disconnect aborts."""
+server's own tokenizer, the tool-call format, prompts and chat templates turned into engine
+requests, constraints compiled before submission, response chunks) and the helpers every
+response uses: sampling values, failed steps as 500s, token usage, server-sent events, and a
+whole response that a client's disconnect aborts."""
 
 import asyncio
 import copy
 import dataclasses
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -16,7 +18,10 @@ from fastapi.responses import StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from nanovllm.engine.structured_output import ConstraintError
+from nanovllm.entrypoints.openai_server.tools import ToolCalling
 from nanovllm.entrypoints.protocol import APIError, ChatCompletionRequest, SamplingRequest
+from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS, ToolParser, parser_for_template
 from nanovllm.llm import chat_prompt
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -30,12 +35,19 @@ MIN_LOGPROB = -9999.0
 class Serving:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_prompts: int):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_prompts: int, tool_call_parser: str | None = None):
+        """Made before the engine thread starts: it reads the engine. `tool_call_parser` names
+        the model's tool-call format (TOOL_PARSERS); None tells it from the chat template."""
         self.engine = engine
         self.model_name = model_name
         self.max_prompts = max_prompts
         # The server tokenizes with its own copy: the engine's tokenizer belongs to the engine thread.
         self.tokenizer: PreTrainedTokenizerBase = copy.deepcopy(engine.engine.tokenizer)
+        self.tool_parser: ToolParser = (TOOL_PARSERS[tool_call_parser]() if tool_call_parser is not None
+                                        else parser_for_template(self.tokenizer.chat_template))
+        # Constraints are compiled on request threads, ahead of the engine thread that uses them.
+        self.structured_outputs = engine.engine.structured_outputs
+        self.structured_outputs.prepare()
         config = engine.engine.config
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanovllm",
                            "root": model_name, "max_model_len": config.max_model_len}
@@ -50,16 +62,26 @@ class Serving:
             return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
         return {"prompt_token_ids": prompt}
 
-    def apply_chat_template(self, body: ChatCompletionRequest) -> dict:
-        if self.tokenizer.chat_template is None:
+    def apply_chat_template(self, body: ChatCompletionRequest, tools: ToolCalling) -> dict:
+        template = self.tokenizer.chat_template
+        if template is None:
             raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages, template_kwargs = tools.template_inputs(body.messages, template)
         try:
-            return chat_prompt(self.tokenizer, messages)
-        except (jinja2.TemplateError, ValueError) as e:
+            return chat_prompt(self.tokenizer, messages, **template_kwargs)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise APIError(400, f"The model's chat template rejected the messages: {e}", param="messages") from None
 
-    async def submit(self, response_id: str, prompts: list[dict], params: SamplingParams) -> RequestStream:
+    async def submit(self, response_id: str, prompts: list[dict], params: SamplingParams,
+                     constraint_field: str = "structured_outputs") -> RequestStream:
+        """Queue the prompts; a constraint is compiled first, off the engine thread, and one the
+        grammar library rejects is a 400 naming `constraint_field`."""
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.to_thread(self.structured_outputs.compile, params.structured_outputs)
+            except ConstraintError as e:
+                field = f"structured_outputs.{e.kind}" if constraint_field == "structured_outputs" else constraint_field
+                raise APIError(400, f"{field} is not valid: {e.reason}", param=field) from None
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         try:
             return await self.engine.add_requests(request_ids, prompts, params)
@@ -81,9 +103,10 @@ def sampling_params(body: SamplingRequest, max_tokens: int | None, logprobs: int
 
 
 def _field_named_by(error: ValueError) -> str | None:
-    """SamplingParams' messages start with the field's name ("stop[0] must be ...")."""
+    """SamplingParams' messages start with the field's name ("stop[0] must be ...",
+    "structured_outputs.regex must be ...")."""
     name = str(error).split(" ", 1)[0]
-    return name if name.split("[", 1)[0] in _SAMPLING_FIELDS else None
+    return name if re.split(r"[\[.]", name, maxsplit=1)[0] in _SAMPLING_FIELDS else None
 
 
 def finite_logprob(logprob: float) -> float:
