@@ -55,3 +55,14 @@ def test_bench_compares_with_transformers_and_plots(tiny_checkpoint, small_workl
 def test_the_llama_cpp_comparison_needs_a_gguf_file(tiny_checkpoint):
     with pytest.raises(SystemExit, match="runs GGUF files"):
         bench.llama_cpp_runner(str(tiny_checkpoint("LlamaForCausalLM")))
+
+
+def test_bench_structured_w1_against_plain(tiny_checkpoint, small_workloads, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_checkpoint("LlamaForCausalLM")), "--dtype", "float32",
+                              "--workload", "w1-json", "--threads", "2"])
+    assert bench.main(args) == 0  # the runner asserts every request made its max_tokens under the schema
+    table = capsys.readouterr().out.split("W1-JSON structured outputs")[1]
+    rows = [line[2:18].strip() for line in table.splitlines()[2:] if line.strip()]
+    assert rows == ["W1", "W1-JSON", "W1-JSON / W1"]

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import make_tiny_checkpoint
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.step_messages import StepReceiver, StepSender
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
@@ -69,13 +70,17 @@ def workload_prompts(seed: int = 0) -> list[list[int]]:
 def run_workload(llm: LLM) -> list:
     """One prompt alone (publishing the shared prefix), then 29 at once: a ~4000-token first
     step, prefix-cache hits, and more blocks than the pool has (preemption). The last two
-    requests sample with a seed and ask for prompt logprobs (recomputed after preemption)."""
+    requests sample with a seed and ask for prompt logprobs (recomputed after preemption); the
+    one before them is held to a regex (rank 0's mask) and biased."""
     prompts = workload_prompts()
-    params = [GREEDY] * 27 + [
+    constrained = SamplingParams(temperature=0.0, max_tokens=20, logit_bias={5: 3.0},
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,80}"))
+    params = [GREEDY] * 26 + [constrained,
         SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=2, logprobs=2),
     ]
     outs = llm.generate(prompts[:1], GREEDY, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
+    assert re.fullmatch("[a-z ]{1,80}", outs[-3].outputs[0].text)
     tokens = [o.outputs[0].token_ids for o in outs]
     top_prompt_tokens = [sorted(position) for position in outs[-1].prompt_logprobs[1:]]
     return [tokens, top_prompt_tokens]
@@ -159,7 +164,7 @@ def subprocess_env(**extra) -> dict:
 
 RANK0_SCRIPT = """
 import json, sys
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 llm = LLM(sys.argv[1], dtype="float32", num_kvcache_blocks=64, tensor_parallel_size=2)
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                     use_tqdm=False)
@@ -223,7 +228,7 @@ def test_start_up_error_names_the_dimension_and_leaves_nothing_behind(tmp_path):
 
 INTERRUPTED_SCRIPT = """
 import sys
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], dtype="float32", num_kvcache_blocks=64, tensor_parallel_size=2)
     print(llm.llm_engine.executor.workers.procs[0].pid, flush=True)

@@ -194,6 +194,9 @@ class ModelRunner:
         rows = [r for *_, start, count in prompt_spans for r in range(start, start + count)] + sample_rows
         if not rows:
             return SamplerOutput([], [])
+        # Before anything waits on the device: on a GPU the grammars' masks are filled on the host
+        # while the forward pass still runs there.
+        allowed = grammar_bitmask([seq.grammar for seq in sample_seqs], self.config.hf_config.vocab_size)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         if logits is None:  # a non-zero tensor-parallel rank: rank 0 samples
             return SamplerOutput([], [])
@@ -204,8 +207,7 @@ class ModelRunner:
                 [seq.sampling_params for seq in sample_seqs], [seq.token_ids for seq in sample_seqs],
                 [seq.num_prompt_tokens for seq in sample_seqs],
                 [seq.stop_checker.banned_token_ids(seq.num_completion_tokens) for seq in sample_seqs],
-                [seq.generator for seq in sample_seqs], logits.shape[1], logits.device,
-                grammar_bitmask([seq.grammar for seq in sample_seqs], logits.shape[1]))
+                [seq.generator for seq in sample_seqs], logits.shape[1], logits.device, allowed)
             out = self.sampler(logits[num_prompt_rows:], sampling, self.generator)
         out.prompt_logprobs = self._prompt_logprobs(prompt_spans, logits[:num_prompt_rows])
         return out

@@ -32,6 +32,7 @@ class WorkerSequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     wants_prompt_logprobs: bool = False
+    grammar: None = None  # constrained sampling happens on rank 0 alone
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,8 @@ llama.cpp (bench_llama_cpp).
 
 W1 (throughput): 64 random-id prompts of 64-512 tokens, 32-256 output tokens each, temperature
 0.6, EOS ignored, all submitted at once (seed 0; nano-vllm's bench shape scaled to 2 cores).
+W1-JSON (structured outputs): W1 again, every request under one JSON schema (STRUCTURED_SCHEMA),
+nano-vllm only; its output tok/s against plain W1's from the same run is the constraint's cost.
 W2 (latency): one 128-token random prompt (seed 1), 128 greedy output tokens; reports the time
 to first token and the decode rate of the tokens after it.
 
@@ -15,6 +17,7 @@ running to the longest `max_tokens`; only the requested tokens count as output.
 """
 
 import argparse
+import dataclasses
 import os
 import platform
 import random
@@ -31,6 +34,18 @@ W1_NUM_REQUESTS = 64
 W2_PROMPT_LEN = W2_OUTPUT_LEN = 128
 W2_REPEATS = 5
 PLOT_CONCURRENCY = (1, 4, 16, 64)
+# An array of records with strings, numbers, an enum and a nested array: structure and free text
+# alike. It cannot close within W1's 256 tokens (minItems), so every request still produces its
+# max_tokens and the run differs from plain W1 by the constraint alone.
+STRUCTURED_SCHEMA = {
+    "type": "array", "minItems": 1000,
+    "items": {"type": "object", "additionalProperties": False,
+              "required": ["id", "name", "city", "score", "tags"],
+              "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
+                             "city": {"enum": ["Paris", "London", "Tokyo", "Lagos", "Lima"]},
+                             "score": {"type": "number"},
+                             "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 12}}}},
+}
 
 
 @dataclass
@@ -38,6 +53,7 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
     temperature: float
+    schema: dict | None = None  # every request's output held to this JSON schema
 
     @property
     def prompt_tokens(self) -> int:
@@ -48,7 +64,7 @@ class Workload:
         return sum(self.max_tokens)
 
     def head(self, n: int) -> "Workload":
-        return Workload(self.prompts[:n], self.max_tokens[:n], self.temperature)
+        return Workload(self.prompts[:n], self.max_tokens[:n], self.temperature, self.schema)
 
 
 def throughput_workload() -> Workload:
@@ -95,9 +111,12 @@ class NanoRunner:
         self.compile_s = runner.compile_seconds
         self.dtype = str(self.llm.llm_engine.config.torch_dtype).removeprefix("torch.")
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> None:
-        from nanovllm import SamplingParams
-        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float,
+                 schema: dict | None = None) -> None:
+        from nanovllm import SamplingParams, StructuredOutputsParams
+        constraint = StructuredOutputsParams(json=schema) if schema is not None else None
+        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, structured_outputs=constraint)
+                  for n in max_tokens]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == list(max_tokens)
 
@@ -160,9 +179,11 @@ def llama_cpp_runner(model_path: str):
 
 
 def run_throughput(runner, workload: Workload) -> Throughput:
-    warm = workload.head(2)  # untimed: first-call allocations and lazy initialisation
-    runner.generate(warm.prompts, [4] * len(warm.prompts), workload.temperature)
-    seconds = _timed(lambda: runner.generate(workload.prompts, workload.max_tokens, workload.temperature))
+    # The schema goes only to nano-vllm's runner (the one that takes it).
+    extra = {"schema": workload.schema} if workload.schema is not None else {}
+    warm = workload.head(2)  # untimed: first-call allocations, lazy initialisation, the schema's compilation
+    runner.generate(warm.prompts, [4] * len(warm.prompts), workload.temperature, **extra)
+    seconds = _timed(lambda: runner.generate(workload.prompts, workload.max_tokens, workload.temperature, **extra))
     return Throughput(seconds, workload.output_tokens / seconds,
                       (workload.prompt_tokens + workload.output_tokens) / seconds)
 
@@ -216,6 +237,16 @@ def print_throughput(results: dict[str, Throughput], workload: Workload) -> None
     _print_table([("time s", 9), ("output tok/s", 15), ("total tok/s", 14)], rows)
 
 
+def print_structured(plain: Throughput, structured: Throughput, workload: Workload) -> None:
+    print(f"\nW1-JSON structured outputs: W1's {len(workload.prompts)} requests, each under one JSON schema "
+          f"(an array of records)")
+    rows = {name: [f"{r.seconds:.2f}", f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}"]
+            for name, r in (("W1", plain), ("W1-JSON", structured))}
+    rows["W1-JSON / W1"] = ["", _ratio(structured.output_tok_s, plain.output_tok_s),
+                            _ratio(structured.total_tok_s, plain.total_tok_s)]
+    _print_table([("time s", 9), ("output tok/s", 15), ("total tok/s", 14)], rows)
+
+
 def print_latency(results: dict[str, Latency]) -> None:
     print(f"\nW2 latency: 1 request, {W2_PROMPT_LEN} prompt tokens, {W2_OUTPUT_LEN} greedy output tokens "
           f"(median of {W2_REPEATS})")
@@ -252,7 +283,8 @@ def plot_concurrency(runners: list, workload: Workload, path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="all", choices=["all", "w1", "w2"], help="what to run (default: all)")
+    parser.add_argument("--workload", default="all", choices=["all", "w1", "w1-json", "w2"],
+                        help="what to run (default: all; w1-json runs W1 plain and under a JSON schema)")
     parser.add_argument("--compare", nargs="+", default=[], choices=["transformers", "llama.cpp"],
                         help="also run the workloads with these engines (llama.cpp: a GGUF model only, through "
                              "llama-cpp-python)")
@@ -279,7 +311,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"{runner.name}: {runner.dtype}, start-up {runner.startup_s:.1f} s{compiled}")
     workload = throughput_workload()
     if args.workload in ("all", "w1"):
-        print_throughput({r.name: run_throughput(r, workload) for r in runners}, workload)
+        w1 = {r.name: run_throughput(r, workload) for r in runners}
+        print_throughput(w1, workload)
+    if args.workload in ("all", "w1-json"):
+        plain = w1[nano.name] if args.workload == "all" else run_throughput(nano, workload)
+        structured = dataclasses.replace(workload, schema=STRUCTURED_SCHEMA)
+        print_structured(plain, run_throughput(nano, structured), structured)
     if args.workload in ("all", "w2"):
         print_latency({r.name: run_latency(r) for r in runners})
     if args.plot:
