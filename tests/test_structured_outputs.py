@@ -5,14 +5,16 @@ output satisfies its constraint."""
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
 import torch
 
-from conftest import requires_default_model
+from conftest import make_tiny_tokenizer, requires_default_model
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.sampler import Sampler, SamplingBatch
+from nanovllm.engine.structured_output import StructuredOutputs, grammar_bitmask
 from nanovllm.kernels import cpu as cpu_kernels
 
 PERSON = {
@@ -69,6 +71,15 @@ def test_logit_bias_rejects(bias, message):
 def test_logit_bias_outside_vocabulary():
     with pytest.raises(ValueError, match=r"logit_bias must map token ids in \[0, 100\)"):
         SamplingParams(logit_bias={100: 1.0}).check_against_vocabulary(100)
+
+
+def test_without_llguidance_only_constraints_are_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    assert grammar_bitmask([None, None], 100) is None
+    outputs = StructuredOutputs(make_tiny_tokenizer(300), 300, {296})
+    outputs.prepare()  # logs, does not raise
+    with pytest.raises(ValueError, match="pip install llguidance"):
+        outputs.compile(StructuredOutputsParams(regex="a+"))
 
 
 # ----- the sampler -----

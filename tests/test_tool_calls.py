@@ -155,6 +155,13 @@ def test_stream_auto_hermes():
     assert content == "Just text < here." and calls == []
 
 
+def test_auto_without_parallel_calls_keeps_the_first():
+    text = '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>'
+    tools = ToolCalling(_request(tools=TOOLS, parallel_tool_calls=False), HermesParser())
+    assert [c["function"]["name"] for c in tools.message(text)["tool_calls"]] == ["now"]
+    assert [c["name"] for c in _replay(tools, text)[1]] == ["now"]
+
+
 def test_stream_required_and_named():
     text = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "now", "parameters": {}}]'
     content, calls = _replay(ToolCalling(_request(tools=TOOLS, tool_choice="required"), HermesParser()), text)

@@ -12,17 +12,23 @@ schema share one compilation. A sequence's matcher consumes every token the sequ
 (the engine feeds it after each draw); preemption by recompute keeps it as it is, since the
 tokens it has consumed stay in the sequence. The matcher allows EOS exactly where the grammar
 accepts, and once it has stopped (nothing may follow) the sequence ends.
+
+llguidance is imported on first use: an engine without it runs every unconstrained request.
 """
+
+from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    import llguidance
 
 from nanovllm.sampling_params import StructuredOutputsParams
 
@@ -31,6 +37,18 @@ logger = logging.getLogger(__name__)
 CACHED_GRAMMARS = 256
 # Compact JSON: a small model given free whitespace between tokens may fill max_tokens with it.
 JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _llguidance() -> ModuleType:
+    """llguidance, with its transformers and torch helpers loaded."""
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError:
+        raise ValueError("structured outputs need the llguidance package, which is not installed here: "
+                         "pip install llguidance") from None
+    return llguidance
 
 
 class ConstraintError(ValueError):
@@ -72,13 +90,17 @@ class StructuredOutputs:
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
 
     def prepare(self) -> None:
-        """Build llguidance's view of the tokenizer now rather than at the first constraint."""
+        """Build llguidance's view of the tokenizer now rather than at the first constraint
+        (without llguidance, nothing: constraints are refused when they come)."""
         with self._lock:
-            self._llg_tokenizer()
+            try:
+                self._llg_tokenizer()
+            except ValueError as e:
+                logger.warning("%s", e)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+            self._tokenizer = _llguidance().hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
                                                            eos_token=self.eos_token_ids or None)
         return self._tokenizer
 
@@ -92,13 +114,14 @@ class StructuredOutputs:
                 self._compiled.move_to_end(key)
                 return matcher
             tokenizer = self._llg_tokenizer()
-        grammar = _grammar(params)
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        llg = _llguidance()
+        grammar = _grammar(llg, params)
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(params.kind, _summary(matcher.get_error()))
         # The first mask builds the lexer's start state, which every copy then shares.
-        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        bitmask = llg.torch.allocate_token_bitmask(1, self.vocab_size)
+        llg.torch.fill_next_token_bitmask(matcher, bitmask, 0)
         with self._lock:
             self._compiled[key] = matcher
             while len(self._compiled) > CACHED_GRAMMARS:
@@ -122,26 +145,27 @@ def grammar_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch
     rows = [(state.matcher, row) for row, state in enumerate(states) if state is not None]
     if not rows:
         return None
+    llg = _llguidance()
     if _executor is None:
-        _executor = llguidance.LLExecutor()
-    bitmask = torch.full(llguidance.torch.get_bitmask_shape(len(states), vocab_size), -1, dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask_par(_executor, rows, bitmask)
+        _executor = llg.LLExecutor()
+    bitmask = torch.full(llg.torch.get_bitmask_shape(len(states), vocab_size), -1, dtype=torch.int32)
+    llg.torch.fill_next_token_bitmask_par(_executor, rows, bitmask)
     return bitmask
 
 
-def _grammar(params: StructuredOutputsParams) -> str:
+def _grammar(llg: ModuleType, params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for one constraint."""
     kind = params.kind
     try:
         if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+            return llg.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
         if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+            return llg.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
-            return llguidance.grammar_from("choice", params.choice)
-        return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
+            return llg.grammar_from("choice", params.choice)
+        return llg.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
         raise ConstraintError(kind, _summary(str(e))) from None
 

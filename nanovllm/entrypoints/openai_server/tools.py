@@ -99,7 +99,8 @@ class ToolCalling:
         if self.choice == "required":
             calls = _required_calls(text)
             return (None, calls) if calls is not None else (text or None, [])
-        return self.parser.parse(text)
+        content, calls = self.parser.parse(text)
+        return content, calls if self.parallel else calls[:1]
 
     def message(self, text: str) -> dict:
         """The assistant message of a whole choice."""
@@ -155,8 +156,9 @@ class ToolCallStream:
             return "", self._new_calls(_complete_items(text))
         parser = tools.parser
         if not finished:
-            return self._content(text, parser.content_end(text)), self._new_calls(parser.complete_calls(text))
-        content, calls = parser.parse(text)
+            calls = parser.complete_calls(text)
+            return self._content(text, parser.content_end(text)), self._new_calls(calls if tools.parallel else calls[:1])
+        content, calls = tools.calls(text)
         if not calls:
             return self._content(text, len(text)), []
         return self._content(text, parser.content_end(text)), self._new_calls(calls)
