@@ -87,7 +87,8 @@ def test_a_row_stride_wider_than_the_blocks_and_bad_input():
 @pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.ffn_down.weight", "blk.3.attn_q.weight"])
 def test_real_tensors_of_the_default_file(name):
     """The embedding (Q8_0, 49152 rows: the dequantizing path takes it in four panels) and Q4_1 layers."""
-    from nanovllm.loader.gguf import _read, default_model_path
+    from nanovllm.loader.default_model import default_model_path
+    from nanovllm.loader.gguf import _read
 
     info = _read(default_model_path()).tensors[name]
     blocks = torch.from_numpy(info.data.copy())

@@ -11,7 +11,7 @@ import torch
 
 from conftest import requires_default_model
 from nanovllm import LLM, SamplingParams
-from nanovllm.loader.gguf import default_model_path
+from nanovllm.loader.default_model import default_model_path
 
 pytestmark = requires_default_model
 

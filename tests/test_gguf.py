@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType as Q
 
 from conftest import random_gguf_blocks, requires_default_model
 from nanovllm.loader import gguf as gguf_loader
+from nanovllm.loader.default_model import default_model_path
 from nanovllm.loader.gguf import (
     _SUPPORTED_TYPES,
-    default_model_path,
     gguf_eos_token_ids,
     iter_gguf_weights,
     load_gguf_config,

@@ -1,15 +1,20 @@
 """Imports point down (docs/ARCHITECTURE.md): no cycle between nanovllm's subpackages and
 top-level modules, and the model side (layers, models, attention) imports nothing from the
 engine or the entry points. Read from the source, function-level imports included; a package's
-`__main__.py` is a command, which nothing imports, and is left out."""
+`__main__.py` is a command, which nothing imports, and is left out. And a machine without the
+packages only some features need (gguf for GGUF files, llguidance for structured outputs; the
+GPU machine's image has neither) runs a Hugging Face checkpoint."""
 
 import ast
 import graphlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import nanovllm
+from conftest import make_tiny_checkpoint
 
 ROOT = Path(nanovllm.__file__).parent
 MODEL_SIDE = ("nanovllm.layers", "nanovllm.models", "nanovllm.attention")
@@ -59,3 +64,29 @@ def test_the_model_side_imports_nothing_above_it():
     graph = _dependencies()
     wrong = {unit: sorted(graph.get(unit, set()) & set(ABOVE_THE_MODEL)) for unit in MODEL_SIDE}
     assert not any(wrong.values()), f"imports from the engine or entry points: {wrong}"
+
+
+WITHOUT_OPTIONAL_PACKAGES = """
+import sys
+sys.modules["gguf"] = sys.modules["llguidance"] = None  # any import of them fails
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.entrypoints import cli  # the command line's modules too
+llm = LLM(sys.argv[1], dtype="float32", num_kvcache_blocks=16, max_model_len=64, enforce_eager=True)
+out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+assert len(out.outputs[0].token_ids) == 4
+try:
+    llm.generate([[1, 2, 3]], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")), use_tqdm=False)
+except ValueError as e:
+    assert "pip install llguidance" in str(e), e
+else:
+    raise AssertionError("a constraint ran without llguidance")
+assert "gguf" not in sys.modules or sys.modules["gguf"] is None
+print("ran")
+"""
+
+
+def test_hf_checkpoints_run_without_gguf_and_llguidance(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    result = subprocess.run([sys.executable, "-c", WITHOUT_OPTIONAL_PACKAGES, str(path)], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT.parent)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ran"), result.stderr[-3000:]

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from conftest import requires_default_model
 from nanovllm.loader.checkpoint import open_checkpoint
-from nanovllm.loader.gguf import default_model_path
+from nanovllm.loader.default_model import default_model_path
 from test_server import Server, wait_idle
 
 pytestmark = requires_default_model

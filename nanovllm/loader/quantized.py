@@ -15,8 +15,6 @@ from gguf.quants import quantize
 
 # The formats kept in blocks, by GGML name, and their type ids (the kernels' `type`).
 BLOCK_TYPES = {name: int(GGMLQuantizationType[name]) for name in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")}
-# What an HF checkpoint may be quantized to at load (`quantization=`): gguf-py quantizes these.
-LOAD_TIME_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
 
 
 def block_values(qtype: str) -> int:

@@ -21,8 +21,7 @@ from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.quantization import UnquantizedLinearMethod
-from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
+from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.platforms import Platform
 from nanovllm.platforms.cpu_compile import call_directly, compile_decoder_layers
@@ -96,7 +95,9 @@ class CPUPlatform(Platform):
         CPUPackedBF16LinearMethod.pack_all(linears)
         use_elementwise_kernels(model)
 
-    def block_linear_method(self, qtype: str) -> CPUGGUFLinearMethod | None:
+    def block_linear_method(self, qtype: str) -> LinearMethod | None:
+        # Imported here: the block formats' tables come from gguf-py, which only block weights need.
+        from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
         # Every kernel variant runs the block formats (`none` in plain C++: correct if slow).
         return CPUGGUFLinearMethod(qtype, self.dtype) if cpu_kernels.available() else None
 
