@@ -2,8 +2,9 @@
 PTX -> cubin (Triton's bundled ptxas), with the compile-time parameters the engine launches.
 
 The interpreter tests check what the kernels compute; this checks that the compiler accepts
-them (dtypes, tile shapes, shared memory) for the target, so the GPU path is not dead on
-arrival. Run without TRITON_INTERPRET. Prints one line per kernel; exits non-zero on failure.
+them (dtypes, tile shapes, shared memory against the target's per-block limit) for the target,
+so the GPU path is not dead on arrival. Run without TRITON_INTERPRET. Prints one line per
+kernel; exits non-zero on failure.
 
     python scripts/triton_compile_check.py [--arch 90]
 """
@@ -25,9 +26,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from nanovllm.attention import triton as kernels  # noqa: E402
 
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# (num_heads, num_kv_heads, head_dim, block_size, dtype): Qwen3-0.6B in bf16, and the tiny
-# fp32 test models (GQA 3, head dim 24 that is not a power of two).
-SHAPES = [(16, 8, 128, 16, torch.bfloat16), (9, 3, 24, 16, torch.float32)]
+# (num_heads, num_kv_heads, head_dim, block_size, dtype): Qwen3-0.6B in bf16 and in fp32 (the
+# parity tests' precision), a head dim of 64, and the tiny fp32 test models (GQA 3, head dim 24
+# that is not a power of two).
+SHAPES = [(16, 8, 128, 16, torch.bfloat16), (16, 8, 128, 16, torch.float32), (8, 4, 64, 16, torch.bfloat16),
+          (8, 4, 64, 16, torch.float32), (9, 3, 24, 16, torch.float32)]
+# Shared memory one block may use (dynamic, opt-in), by compute capability x10 (CUDA's tables).
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
 def compile_kernel(fn, arg_types: dict, constexprs: dict, arch: int):
@@ -41,6 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     arch = parser.parse_args().arch
+    limit = SHARED_MEMORY_LIMIT.get(arch)
+    failed = []
     for num_heads, num_kv_heads, head_dim, block_size, dtype in SHAPES:
         ptr = "*" + TRITON_DTYPES[dtype]
         store_types = {name: ptr for name in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
@@ -60,10 +67,23 @@ def main() -> None:
             jobs.append((f"paged_attention[{step}]", kernels._paged_attention_kernel, attention_types, config))
         for name, fn, types, constexprs in jobs:
             start = time.perf_counter()
-            compiled = compile_kernel(fn, types, constexprs, arch)
-            print(f"sm_{arch} {name:26s} heads {num_heads}/{num_kv_heads} d{head_dim} {TRITON_DTYPES[dtype]}: "
-                  f"{len(compiled.asm['cubin'])} B cubin, {compiled.metadata.shared} B shared memory, "
-                  f"{time.perf_counter() - start:.1f} s")
+            label = f"sm_{arch} {name:26s} heads {num_heads}/{num_kv_heads} d{head_dim} {TRITON_DTYPES[dtype]}"
+            try:
+                compiled = compile_kernel(fn, types, constexprs, arch)
+            except Exception as e:  # report every shape, then fail
+                print(f"{label}: FAILED to compile: {type(e).__name__}: {e}")
+                failed.append(label)
+                continue
+            shared = compiled.metadata.shared
+            over = limit is not None and shared > limit
+            print(f"{label}: {len(compiled.asm['cubin'])} B cubin, {shared} B shared memory"
+                  f"{f' OVER the {limit} B limit' if over else ''}, {time.perf_counter() - start:.1f} s")
+            if over:
+                failed.append(label)
+    if limit is None:
+        print(f"no shared-memory limit known for sm_{arch}: not compared")
+    if failed:
+        sys.exit(f"{len(failed)} kernel(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def _store_kvcache_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-@triton.jit
+# The block table's width grows with the longest context of an eager step: left to Triton, its
+# stride would be specialized on (1, a multiple of 16, other) and recompile mid-run.
+@triton.jit(do_not_specialize=["block_tables_stride"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
@@ -178,6 +180,9 @@ class TritonMetadata:
 
 class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
+    # Every load from the cache is masked by the context length (other=0): an unwritten slot
+    # is never read, so the cache needs no zeroing at start-up.
+    needs_zeroed_cache = False
 
     def prepare(self, layout: BatchLayout) -> TritonMetadata:
         return TritonMetadata(layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens,
