@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Share of available RAM that the CPU KV cache takes when neither kv_cache_memory_gb nor
-# num_kvcache_blocks is given (capped at what max_num_seqs full-length sequences need).
+# num_kvcache_blocks is given (capped, as on CUDA, at what max_num_seqs full-length sequences need).
 CPU_KV_CACHE_RAM_SHARE = 0.2
 
 

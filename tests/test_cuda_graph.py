@@ -143,8 +143,9 @@ def test_decode_steps_through_the_graph_buffers_give_the_eager_tokens(checkpoint
     tokens = []
     for graphs in (False, True):
         # Eager layers: the replay's buffers are the CUDA path's, which the CPU's compiled
-        # layers were never warmed up on.
-        llm = LLM(str(checkpoint), dtype="float32", device="cpu", num_kvcache_blocks=32, max_model_len=64,
+        # layers were never warmed up on. On a GPU the same runs there: Triton under its
+        # interpreter only when there is no CUDA, and compiled Triton rejects host tensors.
+        llm = LLM(str(checkpoint), dtype="float32", device=DEVICE, num_kvcache_blocks=32, max_model_len=64,
                   max_num_seqs=6, enforce_eager=True)
         runner = llm.llm_engine.executor
         if graphs:

@@ -270,7 +270,9 @@ def test_prompt_logprobs_survive_chunking_and_skip_the_cache(tmp_path):
     chunked = LLM(str(path), dtype="float32", num_kvcache_blocks=32, max_num_batched_tokens=7)
     chunked.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # fills the cache
     a = chunked.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
-    b = LLM(str(path), dtype="float32", num_kvcache_blocks=32).generate([prompt], params, use_tqdm=False)[0]
+    # One 50-token step whose prompt logits are made max_num_seqs (3) rows at a time.
+    b = LLM(str(path), dtype="float32", num_kvcache_blocks=32, max_num_seqs=3).generate([prompt], params,
+                                                                                        use_tqdm=False)[0]
     assert len(a) == len(prompt)
     assert all(math.isclose(a[i][prompt[i]].logprob, b.prompt_logprobs[i][prompt[i]].logprob, abs_tol=1e-4)
                for i in range(1, len(prompt)))

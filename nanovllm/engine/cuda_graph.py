@@ -6,10 +6,13 @@ the smallest bucket >= n. Its inputs are copied into the first n lanes of buffer
 once at the largest bucket; the other lanes are padding that writes nowhere (slot -1) and
 reads nothing (context length 0), so their outputs are ignored. Steps with a prefill chunk,
 or more sequences than the largest bucket, run eagerly. All graphs share one memory pool,
-captured largest first; an output is only valid until the next replay.
+captured largest first; an output is only valid until the next replay. The pool is captured
+after the KV cache is sized, in the headroom `gpu_memory_utilization` leaves; its size is
+measured and logged, with a warning when it outgrows that headroom.
 """
 
 import bisect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,7 @@ import torch
 from nanovllm.attention.base import AttentionBackend, BatchLayout, forward_context
 
 PAD_SLOT = -1  # the KV-store kernels skip this slot: a padded lane writes nowhere
+logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -115,7 +119,11 @@ class CUDAGraphRunner:
             return self.model(self.inputs.input_ids[:bucket], self.inputs.positions[:bucket])
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, headroom_bytes: int | None = None) -> int:
+        """Capture every bucket; returns the bytes the graphs took (their pool, warm-ups'
+        workspaces included). `headroom_bytes`: what the KV sizing left free for them."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
         pool = None
         for bucket in reversed(self.sizes):  # largest first: its pool then serves the smaller ones
             self.forward(bucket)  # warm-up outside the capture: kernels compiled, workspaces made
@@ -125,6 +133,13 @@ class CUDAGraphRunner:
             pool = graph.pool()
             self.graphs[bucket] = (graph, hidden)
         torch.cuda.synchronize()
+        taken = torch.cuda.memory_reserved() - before
+        logger.info("captured CUDA graphs for %d batch sizes (1-%d): %.0f MiB", len(self.sizes), self.sizes[-1],
+                    taken / 2**20)
+        if headroom_bytes is not None and taken > headroom_bytes:
+            logger.warning("the CUDA graphs took %.0f MiB, more than the %.0f MiB that gpu_memory_utilization "
+                           "leaves free: lower it, or max_num_seqs", taken / 2**20, headroom_bytes / 2**20)
+        return taken
 
     def can_run(self, layout: BatchLayout) -> bool:
         return layout.max_query_len == 1 and len(layout.query_lens) <= self.sizes[-1]

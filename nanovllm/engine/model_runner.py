@@ -21,6 +21,7 @@ from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
 from nanovllm.engine.sampler import PromptLogprobs, Sampler, SamplerOutput, SamplingBatch, token_logprobs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.structured_output import grammar_bitmask
+from nanovllm.engine.transfer import to_device
 from nanovllm.layers.attention import Attention
 from nanovllm.loader.weights import keep_in_blocks, load_weights
 from nanovllm.models.registry import get_model_class
@@ -50,7 +51,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, config.max_model_len,
                                                self.block_size, self.device)
-            self.cuda_graphs.capture()
+            total = torch.cuda.mem_get_info(self.device)[1]
+            self.cuda_graphs.capture(headroom_bytes=int(total * (1 - config.gpu_memory_utilization)))
         with startup_phase("compile and warm-up"):
             self.compile_seconds = self.platform.compile(self.model, self._warmup)
         self.sampler = Sampler()
@@ -90,14 +92,14 @@ class ModelRunner:
             num_blocks = config.num_kvcache_blocks
         elif config.kv_cache_memory_gb is not None:
             num_blocks = int(config.kv_cache_memory_gb * GiB) // per_block
-        elif self.device.type == "cuda":
-            budget = profile_kv_cache_bytes(self.model, self.attn_layers, self.backend, config, self.device)
-            num_blocks = budget // per_block
         else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            # No point holding more than max_num_seqs full-length sequences can use.
-            num_blocks = min(int(available * CPU_KV_CACHE_RAM_SHARE) // per_block,
-                             config.max_num_seqs * -(-config.max_model_len // self.block_size))
+            if self.device.type == "cuda":
+                budget = profile_kv_cache_bytes(self.model, self.attn_layers, self.backend, config, self.device)
+            else:
+                budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_CACHE_RAM_SHARE)
+            # No point holding more than max_num_seqs full-length sequences can use (and a small
+            # model on a large GPU would otherwise get millions of blocks, each a Python object).
+            num_blocks = min(budget // per_block, config.max_num_seqs * -(-config.max_model_len // self.block_size))
         # Ranks may see different free memory; all must agree (and fail alike below).
         num_blocks = self.tp_group.min_over_ranks(num_blocks)
         needed = -(-config.max_model_len // self.block_size)
@@ -149,14 +151,14 @@ class ModelRunner:
         dev = self.device
         layout = BatchLayout(
             query_lens=list(batch.num_new_tokens),
-            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu_seqlens.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            context_lens=to_device(context_lens, torch.int32, dev),
+            cu_seqlens_q=to_device(cu_seqlens, torch.int32, dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            block_tables=to_device(block_tables, torch.int32, dev),
             max_query_len=int(num_new.max()),
             max_context_len=int(context_lens.max()),
         )
-        return torch.tensor(input_ids, dtype=torch.long, device=dev), torch.from_numpy(positions).to(dev), layout
+        return to_device(input_ids, torch.long, dev), to_device(positions, torch.long, dev), layout
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
@@ -191,35 +193,38 @@ class ModelRunner:
             if batch.samples(i):
                 sample_rows.append(end - 1)
                 sample_seqs.append(seq)
-        rows = [r for *_, start, count in prompt_spans for r in range(start, start + count)] + sample_rows
-        if not rows:
-            return SamplerOutput([], [])
-        # Before anything waits on the device: on a GPU the grammars' masks are filled on the host
-        # while the forward pass still runs there.
-        allowed = grammar_bitmask([seq.grammar for seq in sample_seqs], self.config.hf_config.vocab_size)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        if logits is None:  # a non-zero tensor-parallel rank: rank 0 samples
-            return SamplerOutput([], [])
-        num_prompt_rows = len(rows) - len(sample_rows)
         out = SamplerOutput([], [])
-        if sample_seqs:
-            sampling = SamplingBatch.build(
-                [seq.sampling_params for seq in sample_seqs], [seq.token_ids for seq in sample_seqs],
-                [seq.num_prompt_tokens for seq in sample_seqs],
-                [seq.stop_checker.banned_token_ids(seq.num_completion_tokens) for seq in sample_seqs],
-                [seq.generator for seq in sample_seqs], logits.shape[1], logits.device, allowed)
-            out = self.sampler(logits[num_prompt_rows:], sampling, self.generator)
-        out.prompt_logprobs = self._prompt_logprobs(prompt_spans, logits[:num_prompt_rows])
+        if sample_rows:
+            # Before anything waits on the device: on a GPU the grammars' masks are filled on
+            # the host while the forward pass still runs there.
+            allowed = grammar_bitmask([seq.grammar for seq in sample_seqs], self.config.hf_config.vocab_size)
+            logits = self.model.compute_logits(hidden[to_device(sample_rows, torch.long, hidden.device)])
+            if logits is not None:  # None on a non-zero tensor-parallel rank: rank 0 samples
+                sampling = SamplingBatch.build(
+                    [seq.sampling_params for seq in sample_seqs], [seq.token_ids for seq in sample_seqs],
+                    [seq.num_prompt_tokens for seq in sample_seqs],
+                    [seq.stop_checker.banned_token_ids(seq.num_completion_tokens) for seq in sample_seqs],
+                    [seq.generator for seq in sample_seqs], logits.shape[1], logits.device, allowed)
+                out = self.sampler(logits, sampling, self.generator)
+        out.prompt_logprobs = self._prompt_logprobs(prompt_spans, hidden)
         return out
 
-    @staticmethod
-    def _prompt_logprobs(spans, logits: torch.Tensor) -> list[PromptLogprobs]:
-        """The logprobs of each span's prompt tokens; `logits` holds the spans' rows in order."""
-        result, offset = [], 0
-        for i, seq, first, _, count in spans:
-            logprobs = torch.log_softmax(logits[offset:offset + count].float(), dim=-1)
-            offset += count
-            targets = torch.tensor(seq.token_ids[first:first + count], device=logits.device)
-            nums = [seq.sampling_params.prompt_logprobs] * count
-            result.append(PromptLogprobs(i, first, token_logprobs(logprobs, targets, nums)))
+    def _prompt_logprobs(self, spans, hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """The logprobs of each span's prompt tokens, from the span's rows of `hidden`. Logits
+        are made max_num_seqs rows at a time, as many as a sampling step makes, so a long
+        prompt's logprobs fit in the memory that the warm-up measured (gpu_memory.py)."""
+        result = []
+        chunk = self.config.max_num_seqs
+        for i, seq, first, start, count in spans:
+            entries = []
+            for offset in range(0, count, chunk):
+                n = min(chunk, count - offset)
+                logits = self.model.compute_logits(hidden[start + offset:start + offset + n])
+                if logits is None:  # a non-zero tensor-parallel rank
+                    continue
+                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                targets = to_device(seq.token_ids[first + offset:first + offset + n], torch.long, logits.device)
+                entries += token_logprobs(logprobs, targets, [seq.sampling_params.prompt_logprobs] * n)
+            if entries:
+                result.append(PromptLogprobs(i, first, entries))
         return result

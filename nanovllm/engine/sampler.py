@@ -12,6 +12,9 @@ On CPU, rows with no top-k, top-p or min-p filter are drawn by a compiled kernel
 the same without [rows, vocab] temporaries. Seeded rows draw from their own generator, so their
 tokens do not depend on the batch.
 
+Everything but the logits is built on the host and copied without waiting (transfer.py); the
+sampled ids are the step's one copy back, so a GPU step syncs once.
+
 The sampler sees rows, not sequences: the model runner hands it each row's settings and
 tokens. Logprobs leave it as `TokenLogprobs`, the record the engine turns into the public
 `PositionLogprobs` (prompt spans, computed by the runner, as `PromptLogprobs`).
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nanovllm.engine.transfer import to_device
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.sampling_params import SamplingParams
 
@@ -31,6 +35,8 @@ class SamplingBatch:
     """Per-row sampling tensors for the rows that sample this step."""
 
     temperatures: torch.Tensor  # [n] fp32, 0 = greedy
+    all_greedy: bool  # known on the host, so deciding the path reads nothing back from the device
+    any_greedy: bool
     top_k: torch.Tensor | None  # [n] int64, vocab size = off
     top_p: torch.Tensor | None  # [n] fp32
     min_p: torch.Tensor | None  # [n] fp32
@@ -39,7 +45,7 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None
     prompt_mask: torch.Tensor | None  # [n, vocab] bool: token occurs in the prompt
     output_counts: torch.Tensor | None  # [n, vocab] fp32: occurrences in the output
-    banned: list[tuple[int, list[int]]]  # (row, ids) for the rows that must not draw some ids
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) that must not be drawn
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, ids, biases)
@@ -57,7 +63,7 @@ class SamplingBatch:
             values = [getattr(p, name) for p in params]
             if all(v == default for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         top_k = column("top_k", torch.long, 0)
         if top_k is not None:
@@ -76,16 +82,22 @@ class SamplingBatch:
         if any(p.logit_bias for p in params):
             entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
             rows, ids, biases = zip(*entries)
-            logit_bias = (torch.tensor(rows, device=device), torch.tensor(ids, device=device),
-                          torch.tensor(biases, dtype=torch.float32, device=device))
+            logit_bias = (to_device(rows, torch.long, device), to_device(ids, torch.long, device),
+                          to_device(biases, torch.float32, device))
+        banned = None
+        if any(banned_token_ids):
+            rows = [row for row, ids in enumerate(banned_token_ids) for _ in ids]
+            banned = (to_device(rows, torch.long, device),
+                      to_device([t for ids in banned_token_ids for t in ids], torch.long, device))
+        temperatures = [p.temperature for p in params]
         return cls(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperatures=to_device(temperatures, torch.float32, device),
+            all_greedy=all(t == 0 for t in temperatures), any_greedy=any(t == 0 for t in temperatures),
             top_k=top_k, top_p=column("top_p", torch.float32, 1.0), min_p=column("min_p", torch.float32, 0.0),
             repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
             prompt_mask=prompt_mask, output_counts=output_counts,
-            banned=[(row, ids) for row, ids in enumerate(banned_token_ids) if ids],
-            generators=generators, num_logprobs=[p.logprobs for p in params],
-            logit_bias=logit_bias, allowed=None if allowed is None else allowed.to(device),
+            banned=banned, generators=generators, num_logprobs=[p.logprobs for p in params],
+            logit_bias=logit_bias, allowed=None if allowed is None else to_device(allowed, torch.int32, device),
         )
 
 
@@ -97,7 +109,7 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torc
         ids = torch.full((len(token_lists), width), vocab_size, dtype=torch.long)
         for row, tokens in enumerate(token_lists):
             ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+        counts.scatter_add_(1, to_device(ids, torch.long, device), torch.ones(ids.shape, device=device))
     return counts[:, :vocab_size]
 
 
@@ -150,17 +162,16 @@ class Sampler(nn.Module):
         logits = self._penalize(logits, batch)
         if batch.logit_bias is not None:
             logits.index_put_(batch.logit_bias[:2], batch.logit_bias[2], accumulate=True)
-        for row, ids in batch.banned:
-            logits[row, ids] = float("-inf")
+        if batch.banned is not None:
+            logits.index_put_(batch.banned, torch.full((), float("-inf"), device=logits.device))
         if batch.allowed is not None:
             _mask_disallowed(logits, batch.allowed)
-        greedy_rows = batch.temperatures == 0
-        if bool(greedy_rows.all()):
+        if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._draw(logits, batch, generator)
-            if bool(greedy_rows.any()):
-                tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
+            if batch.any_greedy:
+                tokens = torch.where(batch.temperatures == 0, logits.argmax(dim=-1), tokens)
         token_ids = tokens.tolist()
         vocab_size = logits.shape[1]
         if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
@@ -188,13 +199,14 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _draw(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
-        uniform = torch.empty(len(logits), device=logits.device)
-        shared = [row for row, g in enumerate(batch.generators) if g is None]
-        if shared:
-            uniform[shared] = torch.rand(len(shared), generator=generator, device=logits.device)
-        for row, g in enumerate(batch.generators):
-            if g is not None:
-                uniform[row] = torch.rand(1, generator=g).to(logits.device)
+        # Unseeded rows draw from the engine's stream on the device; seeded rows from their own
+        # (host) streams, copied over in one go.
+        uniform = torch.rand(len(logits), generator=generator, device=logits.device)
+        seeded = [row for row, g in enumerate(batch.generators) if g is not None]
+        if seeded:
+            values = torch.cat([torch.rand(1, generator=batch.generators[row]) for row in seeded])
+            uniform.index_copy_(0, to_device(seeded, torch.long, logits.device),
+                                to_device(values, torch.float32, logits.device))
         temperatures = batch.temperatures.clamp(min=1e-5)
         if batch.min_p is None and batch.top_k is None and batch.top_p is None and _has_cpu_sampler(logits):
             # The same draw without [rows, vocab] temporaries, in a third of the time.
