@@ -26,7 +26,8 @@ if triton_skip_reason():
 
 from nanovllm.attention.base import BatchLayout  # noqa: E402
 from nanovllm.attention.torch_native import TorchNativeBackend  # noqa: E402
-from nanovllm.attention.triton import TritonBackend, store_kvcache  # noqa: E402
+from nanovllm.attention.triton import (MAX_KV_SPLITS, TritonBackend, kv_splits, paged_attention,  # noqa: E402
+                                      store_kvcache)
 
 # (context_len, query_len) per sequence: decodes, whole prompts, chunks after a cached prefix,
 # lengths on and around block boundaries, and spans of several key and query tiles.
@@ -100,6 +101,31 @@ def test_matches_portable_backend(seqs, heads, block_size):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 16])
+@pytest.mark.parametrize("heads", [(4, 2, 24), (8, 1, 32)], ids=lambda h: "h{}-kv{}-d{}".format(*h))
+def test_decode_split_over_the_keys_matches(heads, splits):
+    """Flash-decoding: each context in `splits` parts (some empty for the short ones, a padded
+    lane with none), merged; the same output as one program over all keys."""
+    num_heads, num_kv_heads, head_dim = heads
+    seqs = [(1, 1), (40, 1), (130, 1), (300, 1)]
+    q, k, v, k_cache, v_cache, layout = paged_inputs(seqs, *heads, 16)
+    ref, _, _ = run_both(q, k, v, k_cache, v_cache, layout, *heads, 16)[0]
+    backend = TritonBackend(*heads, 16)
+    backend.forward(q, k, v, k_cache, v_cache, backend.prepare(layout), head_dim ** -0.5)  # stores the new K/V
+    out = torch.empty_like(q)
+    paged_attention(q, k_cache, v_cache, out, layout.cu_seqlens_q, layout.context_lens, layout.block_tables,
+                    1, head_dim ** -0.5, layout.max_context_len, splits=splits)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_kv_splits_fill_the_gpu_only_for_few_decodes():
+    assert kv_splits(1, 8, 1, 40960) == MAX_KV_SPLITS
+    assert kv_splits(64, 8, 1, 40960) == 1  # 512 programs already
+    assert kv_splits(4, 8, 1, 40960) == 9
+    assert kv_splits(1, 8, 1, 100) == 2  # no more parts than key tiles
+    assert kv_splits(1, 8, 20, 40960) == 1  # prefill tiles are many already
+
+
 def test_non_contiguous_kv_and_padded_lanes():
     """k/v as column slices of one qkv tensor (as the model produces them); a lane with slot
     -1 and context 0 (CUDA-graph padding) writes nowhere and outputs zeros."""
@@ -146,7 +172,8 @@ def test_kernels_compile_for_hopper():
     result = subprocess.run([sys.executable, "scripts/triton_compile_check.py", "--arch", "90"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("cubin") == 6
+    # Per shape: the store, decode, split decode, prefill and merge kernels.
+    assert result.stdout.count("cubin") == 5 * 5 and "OVER" not in result.stdout
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA: larger shapes and bf16 run compiled only")

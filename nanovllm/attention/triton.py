@@ -12,6 +12,13 @@ One program serves one (sequence, KV head, query tile). Its rows are query token
 query heads that share that KV head (GQA), so each K/V tile is loaded once for the whole
 group: decode, which is bound by reading the cache, reads it once per KV head.
 
+Decode with few sequences would leave most of a GPU's multiprocessors idle (one program per
+sequence and KV head), so a decode-only step of few sequences splits each context into up to
+MAX_KV_SPLITS parts, flash-decoding style: each program attends over its part and writes its
+unnormalized output with its running max and sum, and a second kernel merges the parts. The
+number of parts depends on the batch size alone, so a CUDA graph captured for a batch size
+keeps it; parts beyond a short context find no key and weigh nothing in the merge.
+
 The metadata holds only tensors plus the longest query length, and `prepare` copies
 nothing, so a decode step is captured by CUDA graphs over persistent buffers.
 """
@@ -30,6 +37,9 @@ LOG2_E = 1.4426950408889634
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
 BLOCK_N = 64  # keys per tile
+MAX_KV_SPLITS = 16
+# Programs a split decode aims for: a few per multiprocessor (an H200 has 132).
+TARGET_PROGRAMS = 2 * 132
 
 
 @triton.jit
@@ -60,16 +70,22 @@ def _store_kvcache_kernel(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    part_acc_ptr, part_stats_ptr,  # with KV_SPLITS > 1: fp32 [T, H, KV_SPLITS, D] and [T, H, KV_SPLITS, 2]
     scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
     q_stride_t, q_stride_h, o_stride_t, o_stride_h, block_tables_stride,
     cache_stride_block, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    # Axis 2: the query tile, or (decode split over the keys) the part of the keys.
+    if KV_SPLITS == 1:
+        tile = tl.program_id(2)
+    else:
+        tile = 0
+        split = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if tile * TOKENS_PER_TILE >= q_len:
@@ -95,7 +111,12 @@ def _paged_attention_kernel(
     # Keys past this tile's last query position are invisible to all of its rows.
     last_tok = tl.minimum(q_len, (tile + 1) * TOKENS_PER_TILE) - 1
     kv_end = context_len - q_len + last_tok + 1
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if KV_SPLITS > 1:  # this program's part: whole key tiles, the last part possibly short or empty
+        part = tl.cdiv(tl.cdiv(kv_end, KV_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = split * part
+        kv_end = tl.minimum(kv_end, kv_start + part)
+    for start in range(kv_start, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // PAGE, mask=key_ok, other=0)
@@ -113,10 +134,41 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-    # A row that saw no key (a padded lane with context_len 0) outputs zeros, not 0/0.
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    o_offsets = (q_start + tok)[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :]
-    tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if KV_SPLITS > 1:  # the merge kernel normalizes
+        part_row = ((q_start + tok) * NUM_HEADS + head) * KV_SPLITS + split
+        tl.store(part_acc_ptr + part_row[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_stats_ptr + part_row * 2, m, mask=row_ok)
+        tl.store(part_stats_ptr + part_row * 2 + 1, denom, mask=row_ok)
+    else:
+        # A row that saw no key (a padded lane with context_len 0) outputs zeros, not 0/0.
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        o_offsets = (q_start + tok)[:, None] * o_stride_t + head[:, None] * o_stride_h + dims[None, :]
+        tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_kv_splits_kernel(
+    part_acc_ptr, part_stats_ptr, o_ptr, o_stride_t, o_stride_h,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (token, head): the parts' outputs rescaled to the overall max and summed, over the
+    parts' summed denominators (parts that saw no key have a zero sum and weigh nothing)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < KV_SPLITS
+    row = (token * NUM_HEADS + head) * KV_SPLITS + splits
+    m = tl.load(part_stats_ptr + row * 2, mask=split_ok, other=-1.0e30)
+    denom = tl.load(part_stats_ptr + row * 2 + 1, mask=split_ok, other=0.0)
+    m_all = tl.max(m, 0)
+    weight = tl.exp2(m - m_all)
+    dims = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + dims[None, :], mask=split_ok[:, None], other=0.0)
+    total = tl.sum(denom * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + token * o_stride_t + head * o_stride_h + dims, out.to(o_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
 
 
 def store_kvcache_config(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
@@ -138,8 +190,17 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     )
 
 
+def kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_context_len: int) -> int:
+    """Parts to split each context into: 1 but for decode-only steps whose (sequence, KV head)
+    programs are too few to fill the GPU, and never more than the longest context's key tiles."""
+    if max_query_len != 1:
+        return 1
+    wanted = triton.cdiv(TARGET_PROGRAMS, num_seqs * num_kv_heads)
+    return max(1, min(MAX_KV_SPLITS, wanted, triton.cdiv(max_context_len, BLOCK_N)))
+
+
 def paged_attention_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                           max_query_len: int, dtype: torch.dtype) -> dict:
+                           max_query_len: int, dtype: torch.dtype, splits: int = 1) -> dict:
     """The attention kernel's compile-time parameters: a decode tile when every sequence has
     one query token, else a prefill tile; rows are tokens x the GQA group."""
     group = num_heads // num_kv_heads
@@ -149,24 +210,39 @@ def paged_attention_config(num_heads: int, num_kv_heads: int, head_dim: int, blo
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         # fp32 models stay exact (no TF32), so greedy tokens match an fp32 reference.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        KV_SPLITS=splits, NUM_HEADS=num_heads,
     )
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                    max_query_len: int, scale: float) -> None:
-    """Attend q [T, H, D] over the paged cache into `out` [T, H, D] (see the module docstring)."""
+                    max_query_len: int, scale: float, max_context_len: int, splits: int | None = None) -> None:
+    """Attend q [T, H, D] over the paged cache into `out` [T, H, D] (see the module docstring).
+    `splits`: parts of the keys per decode program (None: kv_splits' choice)."""
     assert q.stride(2) == out.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    num_kv_heads = k_cache.shape[2]
-    config = paged_attention_config(q.shape[1], num_kv_heads, q.shape[2], k_cache.shape[1], max_query_len, q.dtype)
-    grid = (context_lens.shape[0], num_kv_heads, triton.cdiv(max_query_len, config["TOKENS_PER_TILE"]))
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+    num_seqs, num_heads, num_kv_heads = context_lens.shape[0], q.shape[1], k_cache.shape[2]
+    if splits is None:
+        splits = kv_splits(num_seqs, num_kv_heads, max_query_len, max_context_len)
+    config = paged_attention_config(num_heads, num_kv_heads, q.shape[2], k_cache.shape[1], max_query_len, q.dtype,
+                                    splits)
+    part_acc = part_stats = out  # unused unless the keys are split
+    if splits > 1:
+        part_acc = torch.empty(q.shape[0], num_heads, splits, config["BLOCK_D"], dtype=torch.float32, device=q.device)
+        part_stats = torch.empty(q.shape[0], num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    axis2 = splits if splits > 1 else triton.cdiv(max_query_len, config["TOKENS_PER_TILE"])
+    _paged_attention_kernel[(num_seqs, num_kv_heads, axis2)](
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, part_acc, part_stats,
         scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         **config,
     )
+    if splits > 1:
+        _merge_kv_splits_kernel[(q.shape[0], num_heads)](
+            part_acc, part_stats, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=q.shape[2], KV_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=config["BLOCK_D"],
+        )
 
 
 @dataclass
@@ -176,6 +252,7 @@ class TritonMetadata:
     context_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int  # sets the tile shape and grid; 1 for decode-only steps
+    max_context_len: int  # a bound (max_model_len under CUDA graphs); caps the key split
 
 
 class TritonBackend(AttentionBackend):
@@ -186,11 +263,11 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, layout: BatchLayout) -> TritonMetadata:
         return TritonMetadata(layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens,
-                              layout.block_tables, layout.max_query_len)
+                              layout.block_tables, layout.max_query_len, layout.max_context_len)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TritonMetadata, scale):
         store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
         o = torch.empty_like(q)
         paged_attention(q, k_cache, v_cache, o, metadata.cu_seqlens_q, metadata.context_lens,
-                        metadata.block_tables, metadata.max_query_len, scale)
+                        metadata.block_tables, metadata.max_query_len, scale, metadata.max_context_len)
         return o
