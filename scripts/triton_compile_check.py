@@ -24,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from nanovllm.attention import triton as kernels  # noqa: E402
+from nanovllm.kernels import triton_elementwise as elementwise  # noqa: E402
 
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # (num_heads, num_kv_heads, head_dim, block_size, dtype): Qwen3-0.6B in bf16 and in fp32 (the
@@ -85,6 +86,28 @@ def main() -> None:
                   f"{f' OVER the {limit} B limit' if over else ''}, {time.perf_counter() - start:.1f} s")
             if over:
                 failed.append(label)
+    # The elementwise kernels at Qwen3-0.6B's sizes (hidden 1024, head dim 128, intermediate 3072).
+    for dtype in (torch.bfloat16, torch.float32):
+        ptr = "*" + TRITON_DTYPES[dtype]
+        norm_types = dict(x_ptr=ptr, residual_ptr=ptr, weight_ptr=ptr, out_ptr=ptr, summed_ptr=ptr, x_stride_t="i32",
+                          x_stride_h="i32", residual_stride="i32", n_cols="i32", eps="fp32")
+        rope_types = dict(q_ptr=ptr, k_ptr=ptr, q_out_ptr=ptr, k_out_ptr=ptr, positions_ptr="*i64",
+                          cos_sin_ptr="*fp32", q_stride="i32", k_stride="i32")
+        jobs = [("rms_norm", elementwise._rms_norm_kernel, norm_types,
+                 dict(NUM_HEADS=1, HAS_RESIDUAL=True, BLOCK=1024)),
+                ("silu_and_mul", elementwise._silu_and_mul_kernel,
+                 dict(x_ptr=ptr, out_ptr=ptr, x_stride="i32", n_cols="i32"), dict(BLOCK=elementwise.SILU_BLOCK)),
+                ("rotary_embedding", elementwise._rope_kernel, rope_types,
+                 dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, HEAD_DIM=128, BLOCK=64))]
+        for name, fn, types, constexprs in jobs:
+            label = f"sm_{arch} {name:26s} {TRITON_DTYPES[dtype]}"
+            try:
+                compiled = compile_kernel(fn, types, constexprs, arch)
+            except Exception as e:
+                print(f"{label}: FAILED to compile: {type(e).__name__}: {e}")
+                failed.append(label)
+                continue
+            print(f"{label}: {len(compiled.asm['cubin'])} B cubin, {compiled.metadata.shared} B shared memory")
     if limit is None:
         print(f"no shared-memory limit known for sm_{arch}: not compared")
     if failed:

@@ -172,8 +172,9 @@ def test_kernels_compile_for_hopper():
     result = subprocess.run([sys.executable, "scripts/triton_compile_check.py", "--arch", "90"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    # Per shape: the store, decode, split decode, prefill and merge kernels.
-    assert result.stdout.count("cubin") == 5 * 5 and "OVER" not in result.stdout
+    # Per shape: the store, decode, split decode, prefill and merge kernels; then the three
+    # elementwise kernels in two dtypes.
+    assert result.stdout.count("cubin") == 5 * 5 + 3 * 2 and "OVER" not in result.stdout
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA: larger shapes and bf16 run compiled only")

@@ -3,9 +3,11 @@ loaded model (repack weights, swap in kernel-backed modules), which weight forma
 in their blocks, where the KV cache lives, and whether and how to compile. Layers and models never ask.
 
 CUDA's own pieces (graph capture, memory sizing) are still in engine/cuda_graph.py and
-engine/gpu_memory.py; the CUDA platform here only keeps the defaults.
+engine/gpu_memory.py; the CUDA platform (cuda.py) switches the elementwise modules onto Triton
+kernels, and without Triton the defaults serve.
 """
 
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -40,4 +42,7 @@ def get_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool, 
     if device.type == "cpu":
         from nanovllm.platforms.cpu import CPUPlatform
         return CPUPlatform(dtype, enforce_eager, tp_group)
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from nanovllm.platforms.cuda import CUDAPlatform
+        return CUDAPlatform()
     return Platform()
