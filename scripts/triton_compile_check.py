@@ -58,7 +58,7 @@ def main() -> None:
         attention_types = {name: ptr for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "o_ptr")}
         attention_types.update(cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32", block_tables_ptr="*i32",
                                part_acc_ptr="*fp32", part_stats_ptr="*fp32",
-                               scale_log2="fp32", **{name: "i32" for name in (
+                               scale_log2="fp32", num_splits="i32", **{name: "i32" for name in (
                                    "q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h", "block_tables_stride",
                                    "cache_stride_block", "cache_stride_tok", "cache_stride_head")})
         jobs = [("store_kvcache", kernels._store_kvcache_kernel, store_types,
@@ -67,9 +67,10 @@ def main() -> None:
             config = kernels.paged_attention_config(num_heads, num_kv_heads, head_dim, block_size, max_query_len,
                                                     dtype, splits)
             jobs.append((f"paged_attention[{step}]", kernels._paged_attention_kernel, attention_types, config))
-        merge_types = dict(part_acc_ptr="*fp32", part_stats_ptr="*fp32", o_ptr=ptr, o_stride_t="i32", o_stride_h="i32")
+        merge_types = dict(part_acc_ptr="*fp32", part_stats_ptr="*fp32", o_ptr=ptr, o_stride_t="i32", o_stride_h="i32",
+                           num_splits="i32")
         jobs.append(("merge_kv_splits", kernels._merge_kv_splits_kernel, merge_types,
-                     dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, KV_SPLITS=8, BLOCK_S=8,
+                     dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=kernels.MAX_KV_SPLITS,
                           BLOCK_D=max(16, triton.next_power_of_2(head_dim)))))
         for name, fn, types, constexprs in jobs:
             start = time.perf_counter()

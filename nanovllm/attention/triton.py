@@ -16,8 +16,9 @@ Decode with few sequences would leave most of a GPU's multiprocessors idle (one 
 sequence and KV head), so a decode-only step of few sequences splits each context into up to
 MAX_KV_SPLITS parts, flash-decoding style: each program attends over its part and writes its
 unnormalized output with its running max and sum, and a second kernel merges the parts. The
-number of parts depends on the batch size alone, so a CUDA graph captured for a batch size
-keeps it; parts beyond a short context find no key and weigh nothing in the merge.
+number of parts depends on the batch size (and, in eager steps, the longest context): a CUDA
+graph captured for a batch size keeps it, and as a runtime argument it compiles nothing new.
+Parts beyond a short context find no key and weigh nothing in the merge.
 
 The metadata holds only tensors plus the longest query length, and `prepare` copies
 nothing, so a decode step is captured by CUDA graphs over persistent buffers.
@@ -66,26 +67,27 @@ def _store_kvcache_kernel(
 
 # The block table's width grows with the longest context of an eager step: left to Triton, its
 # stride would be specialized on (1, a multiple of 16, other) and recompile mid-run.
-@triton.jit(do_not_specialize=["block_tables_stride"])
+@triton.jit(do_not_specialize=["block_tables_stride", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
-    part_acc_ptr, part_stats_ptr,  # with KV_SPLITS > 1: fp32 [T, H, KV_SPLITS, D] and [T, H, KV_SPLITS, 2]
+    part_acc_ptr, part_stats_ptr,  # with SPLIT_KV: fp32 [T, H, num_splits, D] and [T, H, num_splits, 2]
     scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
+    num_splits,  # parts of the keys (SPLIT_KV); a runtime value, so changing it compiles nothing
     q_stride_t, q_stride_h, o_stride_t, o_stride_h, block_tables_stride,
     cache_stride_block, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Axis 2: the query tile, or (decode split over the keys) the part of the keys.
-    if KV_SPLITS == 1:
-        tile = tl.program_id(2)
-    else:
+    if SPLIT_KV:
         tile = 0
         split = tl.program_id(2)
+    else:
+        tile = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if tile * TOKENS_PER_TILE >= q_len:
@@ -112,8 +114,8 @@ def _paged_attention_kernel(
     last_tok = tl.minimum(q_len, (tile + 1) * TOKENS_PER_TILE) - 1
     kv_end = context_len - q_len + last_tok + 1
     kv_start = 0
-    if KV_SPLITS > 1:  # this program's part: whole key tiles, the last part possibly short or empty
-        part = tl.cdiv(tl.cdiv(kv_end, KV_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT_KV:  # this program's part: whole key tiles, the last part possibly short or empty
+        part = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         kv_start = split * part
         kv_end = tl.minimum(kv_end, kv_start + part)
     for start in range(kv_start, kv_end, BLOCK_N):
@@ -134,8 +136,8 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-    if KV_SPLITS > 1:  # the merge kernel normalizes
-        part_row = ((q_start + tok) * NUM_HEADS + head) * KV_SPLITS + split
+    if SPLIT_KV:  # the merge kernel normalizes
+        part_row = ((q_start + tok) * NUM_HEADS + head) * num_splits + split
         tl.store(part_acc_ptr + part_row[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(part_stats_ptr + part_row * 2, m, mask=row_ok)
         tl.store(part_stats_ptr + part_row * 2 + 1, denom, mask=row_ok)
@@ -146,19 +148,18 @@ def _paged_attention_kernel(
         tl.store(o_ptr + o_offsets, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kv_splits_kernel(
-    part_acc_ptr, part_stats_ptr, o_ptr, o_stride_t, o_stride_h,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    part_acc_ptr, part_stats_ptr, o_ptr, o_stride_t, o_stride_h, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One (token, head): the parts' outputs rescaled to the overall max and summed, over the
     parts' summed denominators (parts that saw no key have a zero sum and weigh nothing)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < KV_SPLITS
-    row = (token * NUM_HEADS + head) * KV_SPLITS + splits
+    split_ok = splits < num_splits
+    row = (token * NUM_HEADS + head) * num_splits + splits
     m = tl.load(part_stats_ptr + row * 2, mask=split_ok, other=-1.0e30)
     denom = tl.load(part_stats_ptr + row * 2 + 1, mask=split_ok, other=0.0)
     m_all = tl.max(m, 0)
@@ -210,7 +211,7 @@ def paged_attention_config(num_heads: int, num_kv_heads: int, head_dim: int, blo
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         # fp32 models stay exact (no TF32), so greedy tokens match an fp32 reference.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        KV_SPLITS=splits, NUM_HEADS=num_heads,
+        SPLIT_KV=splits > 1, NUM_HEADS=num_heads,
     )
 
 
@@ -232,16 +233,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     axis2 = splits if splits > 1 else triton.cdiv(max_query_len, config["TOKENS_PER_TILE"])
     _paged_attention_kernel[(num_seqs, num_kv_heads, axis2)](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, part_acc, part_stats,
-        scale * LOG2_E,
+        scale * LOG2_E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         **config,
     )
     if splits > 1:
         _merge_kv_splits_kernel[(q.shape[0], num_heads)](
-            part_acc, part_stats, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=q.shape[2], KV_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=config["BLOCK_D"],
+            part_acc, part_stats, out, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=num_heads, HEAD_DIM=q.shape[2], BLOCK_S=MAX_KV_SPLITS, BLOCK_D=config["BLOCK_D"],
         )
 
 
