@@ -193,11 +193,13 @@ class ModelRunner:
             if batch.samples(i):
                 sample_rows.append(end - 1)
                 sample_seqs.append(seq)
+        # Before anything waits on the device: on a GPU the grammars' masks are filled on the
+        # host while the forward pass still runs there.
+        allowed = grammar_bitmask([seq.grammar for seq in sample_seqs], self.config.hf_config.vocab_size)
+        # Prompt rows' logits before the sampled rows', in batch order (eval-kl reads them so).
+        prompt_logprobs = self._prompt_logprobs(prompt_spans, hidden)
         out = SamplerOutput([], [])
         if sample_rows:
-            # Before anything waits on the device: on a GPU the grammars' masks are filled on
-            # the host while the forward pass still runs there.
-            allowed = grammar_bitmask([seq.grammar for seq in sample_seqs], self.config.hf_config.vocab_size)
             logits = self.model.compute_logits(hidden[to_device(sample_rows, torch.long, hidden.device)])
             if logits is not None:  # None on a non-zero tensor-parallel rank: rank 0 samples
                 sampling = SamplingBatch.build(
@@ -206,7 +208,7 @@ class ModelRunner:
                     [seq.stop_checker.banned_token_ids(seq.num_completion_tokens) for seq in sample_seqs],
                     [seq.generator for seq in sample_seqs], logits.shape[1], logits.device, allowed)
                 out = self.sampler(logits, sampling, self.generator)
-        out.prompt_logprobs = self._prompt_logprobs(prompt_spans, hidden)
+        out.prompt_logprobs = prompt_logprobs
         return out
 
     def _prompt_logprobs(self, spans, hidden: torch.Tensor) -> list[PromptLogprobs]:
