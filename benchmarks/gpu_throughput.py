@@ -93,7 +93,8 @@ def decode_latency(llm, runner, device: str, vocab_size: int, bandwidth: float, 
         full = min(run(num_steps + 1) for _ in range(2))
         steps[batch] = (full - prefill) / num_steps
         print(f"decode step at batch {batch:3d}: {1e3 * steps[batch]:.3f} ms = {steps[batch] / bound:.2f}x the "
-              f"weight-bandwidth bound ({1e3 * bound:.3f} ms: {weight_bytes / 1e9:.2f} GB at {bandwidth / 1e12:.1f} TB/s)")
+              f"weight-bandwidth bound ({1e3 * bound:.3f} ms: {weight_bytes / 1e9:.2f} GB at "
+              f"{bandwidth / 1e12:.1f} TB/s)")
     return dict(kind="decode_latency", weight_bytes=weight_bytes, bound_ms=round(1e3 * bound, 4),
                 step_ms={str(b): round(1e3 * t, 4) for b, t in steps.items()},
                 over_bound={str(b): round(t / bound, 2) for b, t in steps.items()})
@@ -140,15 +141,12 @@ def main() -> None:
           f"{runner.num_kvcache_blocks} KV blocks, CUDA graphs {'on' if graphs else 'off'}")
 
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    common = dict(model="tiny" if args.tiny else "Qwen3-0.6B-shaped (random weights)", device=device,
+                  gpu=torch.cuda.get_device_name() if device == "cuda" else None, cuda_graphs=graphs)
     if args.decode_latency:
         sizes = dict(batches=(1, 8), prompt_len=16, num_steps=16) if args.tiny else {}
-        result = decode_latency(llm, runner, device, shape["vocab_size"], args.bandwidth, **sizes)
-        result.update(model="tiny" if args.tiny else "Qwen3-0.6B-shaped (random weights)", cuda_graphs=graphs,
-                      gpu=torch.cuda.get_device_name() if device == "cuda" else None, device=device)
-        print(json.dumps(result))
-        if args.json_out:
-            with open(args.json_out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        report(dict(common, **decode_latency(llm, runner, device, shape["vocab_size"], args.bandwidth, **sizes)),
+               args.json_out)
         return
     prompts, output_lens = workload(num_requests, min_len, max_len, shape["vocab_size"], args.seed)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -159,17 +157,21 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert output_tokens == sum(output_lens), "ignore_eos: every request must produce exactly max_tokens"
-    result = dict(kind="throughput", model="tiny" if args.tiny else "Qwen3-0.6B-shaped (random weights)", device=device,
-                  gpu=torch.cuda.get_device_name() if device == "cuda" else None, cuda_graphs=graphs,
-                  requests=num_requests, prompt_tokens=sum(map(len, prompts)), output_tokens=output_tokens,
-                  seconds=round(elapsed, 2), output_tokens_per_s=round(output_tokens / elapsed, 1),
+    result = dict(common, kind="throughput", requests=num_requests, prompt_tokens=sum(map(len, prompts)),
+                  output_tokens=output_tokens, seconds=round(elapsed, 2),
+                  output_tokens_per_s=round(output_tokens / elapsed, 1),
                   total_tokens_per_s=round((output_tokens + sum(map(len, prompts))) / elapsed, 1),
                   startup_s=round(startup, 1), metrics=llm.get_metrics())
     print(f"CUDA graphs {'on ' if graphs else 'off'}: {output_tokens} output tokens in {elapsed:.2f} s = "
           f"{result['output_tokens_per_s']:.0f} output tok/s ({result['total_tokens_per_s']:.0f} tok/s with prompts)")
+    report(result, args.json_out)
+
+
+def report(result: dict, json_out: str | None) -> None:
+    """Print the result as one JSON line, and append it to `json_out` when given."""
     print(json.dumps(result))
-    if args.json_out:
-        with open(args.json_out, "a") as f:
+    if json_out:
+        with open(json_out, "a") as f:
             f.write(json.dumps(result) + "\n")
 
 

@@ -119,11 +119,13 @@ def test_decode_split_over_the_keys_matches(heads, splits):
 
 
 def test_kv_splits_fill_the_gpu_only_for_few_decodes():
-    assert kv_splits(1, 8, 1, 40960) == MAX_KV_SPLITS
-    assert kv_splits(64, 8, 1, 40960) == 1  # 512 programs already
-    assert kv_splits(4, 8, 1, 40960) == 9
-    assert kv_splits(1, 8, 1, 100) == 2  # no more parts than key tiles
-    assert kv_splits(1, 8, 20, 40960) == 1  # prefill tiles are many already
+    h200 = 132  # multiprocessors
+    assert kv_splits(1, 8, 1, 40960, h200) == MAX_KV_SPLITS
+    assert kv_splits(64, 8, 1, 40960, h200) == 1  # 512 programs already
+    assert kv_splits(4, 8, 1, 40960, h200) == 9
+    assert kv_splits(4, 8, 1, 40960, 66) == 5  # half the multiprocessors, about half the parts
+    assert kv_splits(1, 8, 1, 100, h200) == 2  # no more parts than key tiles
+    assert kv_splits(1, 8, 20, 40960, h200) == 1  # prefill tiles are many already
 
 
 def test_non_contiguous_kv_and_padded_lanes():

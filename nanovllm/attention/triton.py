@@ -16,14 +16,15 @@ Decode with few sequences would leave most of a GPU's multiprocessors idle (one 
 sequence and KV head), so a decode-only step of few sequences splits each context into up to
 MAX_KV_SPLITS parts, flash-decoding style: each program attends over its part and writes its
 unnormalized output with its running max and sum, and a second kernel merges the parts. The
-number of parts depends on the batch size (and, in eager steps, the longest context): a CUDA
-graph captured for a batch size keeps it, and as a runtime argument it compiles nothing new.
+number of parts depends on the batch size and the GPU's multiprocessors (and, in eager steps,
+the longest context): a CUDA graph captured for a batch size keeps it, and as a runtime argument it compiles nothing new.
 Parts beyond a short context find no key and weigh nothing in the merge.
 
 The metadata holds only tensors plus the longest query length, and `prepare` copies
 nothing, so a decode step is captured by CUDA graphs over persistent buffers.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,10 @@ DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
 BLOCK_N = 64  # keys per tile
 MAX_KV_SPLITS = 16
-# Programs a split decode aims for: a few per multiprocessor (an H200 has 132).
-TARGET_PROGRAMS = 2 * 132
+PROGRAMS_PER_MULTIPROCESSOR = 2  # what a split decode aims for
+# Without CUDA (the interpreter) the split is planned for an H200's 132 multiprocessors, so the
+# tests run the split path a GPU would.
+INTERPRETER_MULTIPROCESSORS = 132
 
 
 @triton.jit
@@ -191,12 +194,20 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     )
 
 
-def kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_context_len: int) -> int:
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_context_len: int,
+              num_multiprocessors: int) -> int:
     """Parts to split each context into: 1 but for decode-only steps whose (sequence, KV head)
     programs are too few to fill the GPU, and never more than the longest context's key tiles."""
     if max_query_len != 1:
         return 1
-    wanted = triton.cdiv(TARGET_PROGRAMS, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(PROGRAMS_PER_MULTIPROCESSOR * num_multiprocessors, num_seqs * num_kv_heads)
     return max(1, min(MAX_KV_SPLITS, wanted, triton.cdiv(max_context_len, BLOCK_N)))
 
 
@@ -223,7 +234,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert q.stride(2) == out.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     num_seqs, num_heads, num_kv_heads = context_lens.shape[0], q.shape[1], k_cache.shape[2]
     if splits is None:
-        splits = kv_splits(num_seqs, num_kv_heads, max_query_len, max_context_len)
+        splits = kv_splits(num_seqs, num_kv_heads, max_query_len, max_context_len, multiprocessors(q.device))
     config = paged_attention_config(num_heads, num_kv_heads, q.shape[2], k_cache.shape[1], max_query_len, q.dtype,
                                     splits)
     part_acc = part_stats = out  # unused unless the keys are split

@@ -88,8 +88,8 @@ class LLMEngine:
         make_grammar = None
         constraint = sampling_params.structured_outputs
         if constraint is not None:
-            self.structured_outputs.compile(constraint)  # a schema or grammar it rejects fails here
-            make_grammar = lambda: self.structured_outputs.new_state(constraint)  # noqa: E731
+            compiled = self.structured_outputs.compile(constraint)  # a schema or grammar it rejects fails here
+            make_grammar = lambda: self.structured_outputs.new_state(compiled)  # noqa: E731
         return Request(request_id, text, token_ids, sampling_params, stop_checker, make_grammar)
 
     def add_request(self, request_id: str | None, prompt, sampling_params: SamplingParams) -> Request:

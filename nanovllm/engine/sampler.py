@@ -4,8 +4,9 @@ in one vectorised pass (no per-request loop over the vocabulary).
 Order, as in vLLM: logprobs of the raw logits; penalties (repetition on prompt and output
 tokens, presence and frequency on output tokens) and each row's logit_bias; masking of each
 row's banned ids (what its stop checker holds back until min_tokens) and of what its grammar
-does not allow (a bitmask over the batch, engine/structured_output.py); greedy rows take the argmax; the others are scaled
-by temperature, filtered by min-p, top-k and top-p, and drawn by inverse transform sampling:
+does not allow (a bitmask over the batch, engine/structured_output.py); greedy rows take the
+argmax; the others are scaled by temperature, filtered by min-p, top-k and top-p, and drawn
+by inverse transform sampling:
 one uniform number per row, looked up in the row's cumulative probabilities (the Gumbel-max
 trick would need a random number per vocabulary entry, many times slower on CPU).
 On CPU, rows with no top-k, top-p or min-p filter are drawn by a compiled kernel that does
@@ -80,7 +81,8 @@ class SamplingBatch:
             output_counts = _token_counts(outputs, vocab_size, device)
         logit_bias = None
         if any(p.logit_bias for p in params):
-            entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+            entries = [(row, token, bias) for row, p in enumerate(params)
+                       for token, bias in (p.logit_bias or {}).items()]
             rows, ids, biases = zip(*entries)
             logit_bias = (to_device(rows, torch.long, device), to_device(ids, torch.long, device),
                           to_device(biases, torch.float32, device))
@@ -231,8 +233,9 @@ def _has_cpu_sampler(logits: torch.Tensor) -> bool:
 
 
 def _mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf where a row's bit is clear. On CPU a compiled loop; elsewhere the bits are unpacked,
-    which costs [rows, vocab] temporaries (10x slower on CPU, nothing to speak of on a GPU)."""
+    """-inf where a row's bit is clear. On CPU a compiled loop; elsewhere the bits are unpacked
+    into [rows, vocab] temporaries, which a GPU's bandwidth makes cheap (CPU figures in
+    benchmarks/RESULTS.md)."""
     if _has_cpu_sampler(logits):
         torch.ops.nanovllm_cpu.mask_disallowed(logits, bitmask)
         return

@@ -86,7 +86,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._lock = threading.Lock()  # the server compiles on its own threads, the engine thread steps
-        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (about a second)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use: it walks the vocabulary
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
 
     def prepare(self) -> None:
@@ -128,10 +128,10 @@ class StructuredOutputs:
                 self._compiled.popitem(last=False)
         return matcher
 
-    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        matcher = self.compile(params)
+    def new_state(self, compiled: llguidance.LLMatcher) -> GrammarState:
+        """A sequence's own state, at the start of a constraint `compile` returned."""
         with self._lock:
-            return GrammarState(matcher.deep_copy())
+            return GrammarState(compiled.deep_copy())
 
 
 _executor: llguidance.LLExecutor | None = None  # llguidance's thread pool, made on first use

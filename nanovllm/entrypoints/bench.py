@@ -226,25 +226,25 @@ def _print_table(columns: list[tuple[str, int]], rows: dict[str, list[str]]) -> 
         print(f"  {label:<16}" + "".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns)))
 
 
+def _print_throughputs(results: dict[str, Throughput], ratios: dict[str, tuple[Throughput, Throughput]]) -> None:
+    """One row per result, then one per ratio (label: (numerator, denominator), > 1 is better)."""
+    rows = {name: [f"{r.seconds:.2f}", f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}"] for name, r in results.items()}
+    for label, (a, b) in ratios.items():
+        rows[label] = ["", _ratio(a.output_tok_s, b.output_tok_s), _ratio(a.total_tok_s, b.total_tok_s)]
+    _print_table([("time s", 9), ("output tok/s", 15), ("total tok/s", 14)], rows)
+
+
 def print_throughput(results: dict[str, Throughput], workload: Workload) -> None:
     print(f"\nW1 throughput: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt + "
           f"{workload.output_tokens} output tokens, temperature {workload.temperature}")
-    rows = {name: [f"{r.seconds:.2f}", f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}"] for name, r in results.items()}
     (_, nano), *others = results.items()
-    for name, other in others:  # nano-vllm's figure over the other engine's: > 1 is better
-        rows[f"vs {name}"] = ["", _ratio(nano.output_tok_s, other.output_tok_s),
-                              _ratio(nano.total_tok_s, other.total_tok_s)]
-    _print_table([("time s", 9), ("output tok/s", 15), ("total tok/s", 14)], rows)
+    _print_throughputs(results, {f"vs {name}": (nano, other) for name, other in others})
 
 
 def print_structured(plain: Throughput, structured: Throughput, workload: Workload) -> None:
     print(f"\nW1-JSON structured outputs: W1's {len(workload.prompts)} requests, each under one JSON schema "
           f"(an array of records)")
-    rows = {name: [f"{r.seconds:.2f}", f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}"]
-            for name, r in (("W1", plain), ("W1-JSON", structured))}
-    rows["W1-JSON / W1"] = ["", _ratio(structured.output_tok_s, plain.output_tok_s),
-                            _ratio(structured.total_tok_s, plain.total_tok_s)]
-    _print_table([("time s", 9), ("output tok/s", 15), ("total tok/s", 14)], rows)
+    _print_throughputs({"W1": plain, "W1-JSON": structured}, {"W1-JSON / W1": (structured, plain)})
 
 
 def print_latency(results: dict[str, Latency]) -> None:

@@ -47,7 +47,8 @@ def _encodable(text: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # populate_by_name: a field named by an alias (`schema`, `json`) is set by that name too.
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -60,8 +61,6 @@ class StreamOptions(_Strict):
 
 
 class JSONSchemaFormat(_Strict):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
     name: Text
     description: Text | None = None
     json_schema: dict = Field(default_factory=dict, alias="schema")  # none given: any JSON value
@@ -81,8 +80,6 @@ class ResponseFormat(_Strict):
 
 class StructuredOutputsRequest(_Strict):
     """vLLM's `structured_outputs` field: one constraint (StructuredOutputsParams' names)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     json_: dict | Text | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
     regex: Text | None = None
@@ -126,9 +123,13 @@ class SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+        if self.structured_outputs is not None and self._constrains_format:
             raise ValueError("response_format and structured_outputs cannot both be given")
         return self
+
+    @property
+    def _constrains_format(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     @field_validator("logit_bias")
     @classmethod
@@ -138,17 +139,23 @@ class SamplingRequest(_Strict):
                 raise ValueError(f"logit_bias keys must be token ids (integers, as JSON object keys), got {key!r}")
         return bias
 
-    def constraint(self) -> tuple[StructuredOutputsParams | None, str]:
-        """The request's output constraint, and the field that gave it (errors name it)."""
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from structured_outputs or response_format."""
         if self.structured_outputs is not None:
-            return StructuredOutputsParams(**self.structured_outputs.model_dump(exclude_none=True, by_alias=True)), \
-                "structured_outputs"
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return None, "response_format"
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True), "response_format"
-        return StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format.json_schema.schema"
+            return StructuredOutputsParams(**self.structured_outputs.model_dump(exclude_none=True, by_alias=True))
+        if not self._constrains_format:
+            return None
+        if self.response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=self.response_format.json_schema.json_schema)
+
+    @property
+    def constraint_field(self) -> str:
+        """The field a rejected constraint is reported under."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        schema_given = self.response_format is not None and self.response_format.type == "json_schema"
+        return "response_format.json_schema.schema" if schema_given else "response_format"
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -161,7 +168,7 @@ class SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
-            structured_outputs=self.constraint()[0],
+            structured_outputs=self.constraint(),
         )
 
     @property
@@ -289,14 +296,14 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
         choice = self.tool_choice
-        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+        if choice == "required" or isinstance(choice, NamedToolChoice):
             if not self.tools:
                 raise ValueError("tool_choice requires tools")
             names = [tool.function.name for tool in self.tools]
             if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
                 raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not "
                                  f"among the tools {names}")
-            if self.response_format not in (None, ResponseFormat(type="text")) or self.structured_outputs:
+            if self._constrains_format or self.structured_outputs is not None:
                 raise ValueError("tool_choice that forces a call cannot be combined with response_format "
                                  "or structured_outputs")
         return self
@@ -321,11 +328,13 @@ def _as_api_error(e: ValidationError) -> APIError:
     # Within a union pydantic reports every member's failure: the deepest is the most telling.
     err = max(errors, key=lambda err: len(err["loc"]))
     message = err["msg"].removeprefix("Value error, ")
+    param = _location(err["loc"])
+    if param:
+        return APIError(400, f"Invalid value for '{param}': {message}", param=param)
     # A check across fields (the request's own validator) has no location; its message starts
     # with the field it is about.
-    param = _location(err["loc"]) or (message.split(" ", 1)[0] if message.split(" ", 1)[0] in _FIELD_NAMES else None)
-    located = param and err["loc"]
-    return APIError(400, f"Invalid value for '{param}': {message}" if located else message, param=param)
+    first_word = message.split(" ", 1)[0]
+    return APIError(400, message, param=first_word if first_word in _FIELD_NAMES else None)
 
 
 def _location(loc: tuple, keep_last: bool = False) -> str:
@@ -343,4 +352,4 @@ def _location(loc: tuple, keep_last: bool = False) -> str:
 _FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
                                    ResponseFormat, JSONSchemaFormat, StructuredOutputsRequest, FunctionCall,
                                    ToolCallItem, FunctionDefinition, Tool, FunctionName, NamedToolChoice)
-                for name in model.model_fields} | {"schema", "json"}
+                for name in model.model_fields} | {"schema", "json"}  # the aliases

@@ -43,26 +43,33 @@ def call_from_json(obj, argument_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], "{}")
 
 
-def decode_json_sequence(text: str, separator: str = "") -> list | None:
-    """The JSON values of `text`, one after another (separated by `separator` and whitespace);
-    None unless the whole text is such values."""
-    values, i = [], 0
+def json_values(text: str, start: int = 0, separator: str = "") -> tuple[list, int]:
+    """The JSON values from `start` on, one after another (separated by `separator` and
+    whitespace), as many as decode whole; and where the last of them ends."""
+    values, end = [], start
     while True:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i == len(text):
-            return values if values else None
+        i = _skip_space(text, end)
         if values and separator:
             if not text.startswith(separator, i):
-                return None
-            i += len(separator)
-            while i < len(text) and text[i].isspace():
-                i += 1
+                return values, end
+            i = _skip_space(text, i + len(separator))
         try:
-            value, i = _DECODER.raw_decode(text, i)
+            value, end = _DECODER.raw_decode(text, i)
         except json.JSONDecodeError:
-            return None
+            return values, end
         values.append(value)
+
+
+def decode_json_sequence(text: str, separator: str = "") -> list | None:
+    """The JSON values of `text` (see json_values); None unless the whole text is such values."""
+    values, end = json_values(text, 0, separator)
+    return values if values and not text[end:].strip() else None
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
 
 
 def _held_back(text: str, marker: str) -> int:

@@ -21,8 +21,8 @@ Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
 `gguf_linear` / `gguf_dequantize` (weights in GGUF's block formats),
-`store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise `silu_and_mul`, `rms_norm`,
-`add_rms_norm`, and `isa`; see cpu/registration.cpp.
+`store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise
+`silu_and_mul`, `rms_norm`, `add_rms_norm`, and `isa`; see cpu/registration.cpp.
 """
 
 import functools

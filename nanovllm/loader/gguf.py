@@ -1,9 +1,9 @@
 """GGUF checkpoints seen through Hugging Face eyes.
 
-Owns everything GGUF-specific: turning GGUF metadata into a
-`transformers` config, yielding `(hf_param_name, tensor)` pairs exactly as a Hugging Face
-checkpoint of the same model would name and lay them out, and building the tokenizer with the
-model's end-of-sequence ids. The rest of the engine never learns that the weights came from GGUF.
+Owns everything GGUF-specific: turning GGUF metadata into a `transformers` config, yielding
+`(hf_param_name, tensor)` pairs exactly as a Hugging Face checkpoint of the same model would
+name and lay them out, and building the tokenizer with the model's end-of-sequence ids. The
+rest of the engine never learns that the weights came from GGUF.
 
 A file's header is read by gguf_reader (metadata and tensor views, without the tokenizer's
 arrays) once per load (`_read`); tensors the engine keeps in blocks are yielded as the file's

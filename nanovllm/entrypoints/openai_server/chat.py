@@ -26,9 +26,10 @@ async def create_chat_completion(serving: Serving, body: ChatCompletionRequest, 
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, top_logprobs)
     tools = ToolCalling(body, serving.tool_parser)
-    constraint_field = body.constraint()[1]
-    if tools.constraint() is not None:  # required, or a named function
-        params = dataclasses.replace(params, structured_outputs=tools.constraint())
+    constraint_field = body.constraint_field
+    forced_call = tools.constraint()  # required, or a named function
+    if forced_call is not None:
+        params = dataclasses.replace(params, structured_outputs=forced_call)
         constraint_field = "tools"
     elif tools.active and tools.parser.needs_special_tokens:  # the format's markers are special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)

@@ -27,7 +27,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
                        param="prompt")
     prompts = [serving.encode(p) for p in body.prompts()]
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    stream = await serving.submit(response_id, prompts, params, body.constraint()[1])
+    stream = await serving.submit(response_id, prompts, params, body.constraint_field)
     echoes = [p.get("prompt") or serving.tokenizer.decode(p["prompt_token_ids"]) for p in prompts] \
         if body.echo else None
     builder = CompletionChoices(serving, body, echoes)

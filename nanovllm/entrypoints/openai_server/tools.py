@@ -18,7 +18,7 @@ import json
 import uuid
 
 from nanovllm.entrypoints.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from nanovllm.entrypoints.tool_parsers import ToolCall, ToolParser, decode_json_sequence
+from nanovllm.entrypoints.tool_parsers import ToolCall, ToolParser, call_from_json, decode_json_sequence, json_values
 from nanovllm.sampling_params import StructuredOutputsParams
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -100,7 +100,11 @@ class ToolCalling:
             calls = _required_calls(text)
             return (None, calls) if calls is not None else (text or None, [])
         content, calls = self.parser.parse(text)
-        return content, calls if self.parallel else calls[:1]
+        return content, self.kept(calls)
+
+    def kept(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls a reply may make: the first alone unless parallel_tool_calls."""
+        return calls if self.parallel else calls[:1]
 
     def message(self, text: str) -> dict:
         """The assistant message of a whole choice."""
@@ -126,13 +130,17 @@ def _arguments_object(arguments: str):
     return value if isinstance(value, dict) else arguments
 
 
+def _required_call(item) -> ToolCall | None:
+    """One item of the array `required` holds the output to: `{"name", "parameters"}`."""
+    return call_from_json(item, ("parameters",)) if isinstance(item, dict) and "parameters" in item else None
+
+
 def _required_calls(text: str) -> list[ToolCall] | None:
     values = decode_json_sequence(text)
     if not values or len(values) != 1 or not isinstance(values[0], list):
         return None
-    calls = [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-             for item in values[0] if isinstance(item, dict) and "name" in item and "parameters" in item]
-    return calls if calls and len(calls) == len(values[0]) else None
+    calls = [_required_call(item) for item in values[0]]
+    return calls if calls and None not in calls else None
 
 
 class ToolCallStream:
@@ -156,9 +164,9 @@ class ToolCallStream:
             return "", self._new_calls(_complete_items(text))
         parser = tools.parser
         if not finished:
-            calls = parser.complete_calls(text)
-            return self._content(text, parser.content_end(text)), self._new_calls(calls if tools.parallel else calls[:1])
-        content, calls = tools.calls(text)
+            calls = tools.kept(parser.complete_calls(text))
+            return self._content(text, parser.content_end(text)), self._new_calls(calls)
+        _, calls = tools.calls(text)
         if not calls:
             return self._content(text, len(text)), []
         return self._content(text, parser.content_end(text)), self._new_calls(calls)
@@ -192,15 +200,10 @@ def _complete_items(text: str) -> list[ToolCall]:
     start = text.find("[")
     if start < 0:
         return []
-    calls, i = [], start + 1
-    decoder = json.JSONDecoder()
-    while True:
-        while i < len(text) and (text[i].isspace() or text[i] == ","):
-            i += 1
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return calls
-        if not isinstance(item, dict) or "name" not in item or "parameters" not in item:
-            return calls
-        calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+    calls = []
+    for item in json_values(text, start + 1, separator=",")[0]:
+        call = _required_call(item)
+        if call is None:
+            break
+        calls.append(call)
+    return calls
