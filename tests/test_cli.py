@@ -307,3 +307,13 @@ def test_cli_bad_flag_and_missing_model_fail_in_one_line():
     assert (bad_flag.returncode, missing.returncode) == (2, 1)
     assert "--max-tokens" in _one_error_line(bad_flag.stderr)
     assert "model not found" in _one_error_line(missing.stderr)
+
+
+def test_the_script_exits_with_an_idle_thread_pool_alive():
+    # Inductor leaves such a pool after a first compile; its workers only stop at interpreter exit.
+    code = ("import sys; from concurrent.futures import ThreadPoolExecutor; from nanovllm.entrypoints import cli; "
+            "pool = ThreadPoolExecutor(1); pool.submit(print, 'pool ran').result(); "
+            "sys.argv = ['nanovllm', 'generate', 'hi', '--model', '/nonexistent/model.gguf']; cli.run()")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "pool ran" in result.stdout
+    assert "model not found" in _one_error_line(result.stderr)

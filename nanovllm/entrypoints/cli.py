@@ -60,13 +60,13 @@ def run() -> NoReturn:
     """The `nanovllm` script: main(), then exit without tearing the interpreter down.
 
     Python's teardown of torch, Inductor and transformers takes ~2 s on a 2-core machine, after
-    the answer is printed; everything with something to finish runs before: other non-daemon
-    threads are joined and the exit handlers run (tensor-parallel workers are stopped by one),
-    and the output streams are flushed."""
+    the answer is printed; everything with something to finish runs before, in the
+    interpreter's own order: threading's exit hooks (which stop idle thread pools, such as the
+    one Inductor leaves after a first compile) and the join of other non-daemon threads, then
+    the exit handlers (tensor-parallel workers are stopped by one), then the output streams are
+    flushed."""
     code = main()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # joining the threads ourselves would wait forever on an idle pool's workers
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
