@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen3Config
 
+from nanovllm.cache_paths import user_cache_dir
 from nanovllm.loader.gguf_reader import GGUFHeader, TensorInfo, read_gguf_header
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
 
@@ -233,8 +234,7 @@ def _tokenizer_cache_dir(path: str) -> str:
 
     stat = os.stat(path)
     key = f"{os.path.realpath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "nanovllm", "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:16])
+    return os.path.join(user_cache_dir("gguf-tokenizers"), hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: str) -> None:

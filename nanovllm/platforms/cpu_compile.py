@@ -1,18 +1,37 @@
 """torch.compile on CPU, the CPU's answer to CUDA graphs: decoder layers compiled a few at a
 time into one graph that serves every step (prefill, decode and mixed), rounding as eager does,
-and called after the warm-up without Dynamo in between.
+compiled ahead of time (Dynamo's `aot_compile`) and kept on disk, so that a later start loads
+the graph instead of tracing the layers again.
+
+A compiled forward is a plain function of (module, *tensors): the module's parameters, buffers
+and KV cache are read at each call, so one compiled function serves every group of layers of
+the same kind, in every engine of the process. It runs without Dynamo's frame hook, cache
+lookup or guards in between: a step cannot recompile, and no process-wide guard setting is
+needed that would also reach the user's own compiled code. What the guards would have checked
+is the key of the compiled function instead (`graph_key`); the graph still asserts its
+inputs' static sizes and strides.
 """
 
+import functools
+import hashlib
+import logging
+import os
+import time
 import types
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+from nanovllm.cache_paths import user_cache_dir
+from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.layers.attention import Attention
 from nanovllm.platforms.inductor_rounding import UnfuseReducedPrecisionAddmm
 
-# One object for every compile: Dynamo reuses a graph only for an equal backend, and the pass
-# compares by identity.
+logger = logging.getLogger(__name__)
+
+# One object for every compile: the pass is part of Inductor's cache key through its uuid.
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass": UnfuseReducedPrecisionAddmm()}
 
 # Decoder layers per compiled call. Each call into a compiled graph costs some microseconds of
@@ -20,12 +39,21 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass"
 # count, while more save less and compile longer (figures in benchmarks/RESULTS.md).
 LAYERS_PER_GRAPH = 2
 
+# The compiled forwards of this process by graph_key: engines of the same model share them.
+_compiled: dict[str, Callable] = {}
+
 
 def compile_with_dynamic_tokens(module: nn.Module) -> None:
-    """torch.compile `module`'s forward with the leading (token) dim of its tensor arguments
-    dynamic and everything else static. The token dim is marked unbacked, a size the compiler
-    may not specialise on (not even 1, which it otherwise gives a graph of its own), so one graph
-    serves every step; static shapes elsewhere keep the guards cheap (the cache never resizes).
+    """Replace `module`'s forward by its compiled graph, with the leading (token) dim of its
+    tensor arguments dynamic and everything else static except the KV cache's size. The graph
+    is made at the first call, for that call's kind of arguments (or loaded from the cache
+    directory, where it is then saved), and serves every later call of that kind.
+
+    The token dim is marked unbacked, a size the compiler may not specialise on (not even 1,
+    which it otherwise gives a graph of its own), so one graph serves every step; static
+    shapes elsewhere make the key (and the graph) exact. The KV cache's dims are dynamic: the
+    number of blocks depends on the memory free at start-up, and the opaque attention op is
+    all that reads the cache.
 
     emulate_precision_casts: the fused kernels round to bf16 wherever the eager code does (after
     the residual add, the norm, RoPE, SiLU). Without it Inductor keeps fused intermediates in
@@ -33,14 +61,105 @@ def compile_with_dynamic_tokens(module: nn.Module) -> None:
     turn a near-tied greedy token the other way. With it, and with matmuls rounded before the
     residual add as eager rounds them (see inductor_rounding), a layer's output equals eager's
     up to the order of the norm's sum (see test_compiled_layers_round_like_eager)."""
-    compiled = torch.compile(module.forward, fullgraph=True, options=COMPILE_OPTIONS)
 
-    def forward(*args):
+    def first_call(*args):
+        compiled = compiled_forward(module, args)
+        module.forward = types.MethodType(compiled, module)
+        return compiled(module, *args)
+
+    module.forward = first_call
+
+
+def compiled_forward(module: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable:
+    """type(module).forward compiled for `module`'s kind and `args`' kind: from this process,
+    else from the cache directory, else compiled now and saved there."""
+    key = graph_key(module, args)
+    if key in _compiled:
+        return _compiled[key]
+    forward = type(module).forward
+    path = Path(user_cache_dir("compiled-graphs")) / f"{key}.bin"
+    start = time.perf_counter()
+    compiled = _load(path, forward.__globals__)
+    if compiled is None:
         for arg in args:
             torch._dynamo.decorators.mark_unbacked(arg, 0)
-        return compiled(*args)
+        for cache in _kv_caches(module):
+            for dim in range(cache.dim()):
+                torch._dynamo.maybe_mark_dynamic(cache, dim)
+        # Python floats (a norm's eps, a RoPE setting) are constants, as the key takes them; left
+        # symbolic, one that must specialise restarts the trace, which aot_compile cannot do.
+        with torch._dynamo.config.patch(specialize_float=True):
+            compiled = torch.compile(forward, fullgraph=True, options=COMPILE_OPTIONS).aot_compile(((module, *args), {}))
+        _save(compiled, path)
+        logger.debug("compiled %s in %.1f s (saved as %s)", type(module).__name__, time.perf_counter() - start, path)
+    else:
+        logger.debug("loaded the compiled %s from %s in %.1f s", type(module).__name__, path,
+                     time.perf_counter() - start)
+    compiled.disable_guard_check()  # the key stands for the guards
+    _compiled[key] = compiled
+    return compiled
 
-    module.forward = forward
+
+def graph_key(module: nn.Module, args: tuple[torch.Tensor, ...]) -> str:
+    """A digest of everything the graph depends on: the code (torch's version and this package's
+    sources), the kernel variant and thread count (Inductor's loops are built for it), and each
+    submodule's kind, settings and tensors, the linear methods' settings included; the
+    arguments' dtypes and their shapes and strides past the token dim. The KV cache counts by
+    its dtype and rank only (its dims are dynamic)."""
+    parts = [torch.__version__, _package_digest(), cpu_kernels.isa() if cpu_kernels.available() else "none",
+             str(torch.get_num_threads()), COMPILE_OPTIONS["post_grad_custom_post_pass"].uuid().hex()]
+    caches = {id(cache) for cache in _kv_caches(module)}
+    for name, sub in module.named_modules():
+        parts.append(f"{name}:{type(sub).__qualname__}")
+        for owner in (sub, getattr(sub, "linear_method", None)):
+            for attr, value in sorted(vars(owner).items() if owner is not None else ()):
+                if isinstance(value, torch.Tensor):
+                    parts.append(f"{attr}={_tensor_kind(value, whole=id(value) not in caches)}")
+                elif isinstance(value, (bool, int, float, str, tuple, type(None))):
+                    parts.append(f"{attr}={value!r}")
+    parts += [f"{name}={_tensor_kind(t)}" for name, t in module.named_parameters()]
+    parts += [f"{name}={_tensor_kind(t)}" for name, t in module.named_buffers()]
+    parts += [f"arg={a.dtype}{tuple(a.shape[1:])}{a.stride()[1:]}" for a in args]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _tensor_kind(tensor: torch.Tensor, whole: bool = True) -> str:
+    if not whole:
+        return f"{tensor.dtype}[{tensor.dim()}]"
+    return f"{tensor.dtype}{tuple(tensor.shape)}{tensor.stride()}{tensor.device}"
+
+
+@functools.cache
+def _package_digest() -> str:
+    """A digest of this package's Python sources: any edit may change a traced graph."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parents[1].rglob("*.py")):  # nanovllm/
+        digest.update(str(path).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _kv_caches(module: nn.Module) -> list[torch.Tensor]:
+    return [cache for sub in module.modules() if isinstance(sub, Attention) for cache in (sub.k_cache, sub.v_cache)]
+
+
+def _load(path: Path, f_globals: dict) -> Callable | None:
+    if not path.exists():
+        return None
+    try:
+        with open(path, "rb") as file:
+            return torch.compiler.load_compiled_function(file, f_globals=f_globals)
+    except Exception as e:  # a damaged or stale file must not stop the engine: compile afresh
+        logger.warning("ignoring the compiled graph in %s (%s); compiling it again", path, e)
+        return None
+
+
+def _save(compiled: Callable, path: Path) -> None:
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+        compiled.save_compiled_function(str(path))  # written to a temporary file, then renamed
+    except OSError as e:  # a read-only home or a full disk: the next start compiles again
+        logger.warning("could not save the compiled graph to %s (%s)", path, e)
 
 
 class LayerGroup(nn.Module):
@@ -57,55 +176,18 @@ class LayerGroup(nn.Module):
         return hidden, residual
 
 
-def with_own_code(cls: type, name: str) -> type:
-    """A subclass of `cls` whose method `name` runs a copy of its code object. Dynamo keeps the
-    graphs it compiled for a function on the function's code object: with a copy for each kind
-    of group of each engine, each code object gets exactly one graph (the one call_directly
-    calls), and graphs go with their engine instead of piling up on one code object past
-    Dynamo's recompile limit (tests make dozens of engines in a process)."""
-    method = getattr(cls, name)
-    code = method.__code__.replace()  # a new code object, equal to the old
-    copy = types.FunctionType(code, method.__globals__, method.__name__, method.__defaults__, method.__closure__)
-    return type(cls.__name__, (cls,), {name: copy, "__module__": cls.__module__, "__doc__": cls.__doc__})
-
-
 def compile_decoder_layers(decoder: nn.Module) -> None:
     """Replace `decoder.layers` (called in turn as layer(positions, hidden, residual)) by
     compiled groups of LAYERS_PER_GRAPH of them, which the decoder calls the same way.
 
-    Groups of layers, not the whole model: every full group of the model shares a single
-    compiled graph (parameters and cache are graph inputs), so a model's layers compile once (a
-    last, shorter group adds a graph; another engine compiles its own, mostly from Inductor's
-    caches); the whole model as one graph compiles many times longer. Attention is one opaque op
-    and the linear op picks its kernel by row count at run time, so one graph serves prefill,
-    decode and mixed steps alike. Weights are loaded by then: the groups' parameter names no
-    longer matter."""
+    Groups of layers, not the whole model: every group of the same kind shares one compiled
+    graph (parameters and cache are its inputs), so a model's layers compile once (a last,
+    shorter group, or layers of another weight type, add a graph); the whole model as one graph
+    compiles many times longer. Attention is one opaque op and the linear op picks its kernel by
+    row count at run time, so one graph serves prefill, decode and mixed steps alike. Weights
+    are loaded by then: the groups' parameter names no longer matter."""
     layers = list(decoder.layers)
-    sizes = [min(LAYERS_PER_GRAPH, len(layers) - i) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
-    group_classes = {size: with_own_code(LayerGroup, "forward") for size in set(sizes)}
-    groups, start = [], 0
-    for size in sizes:
-        groups.append(group_classes[size](layers[start:start + size]))
-        start += size
+    groups = [LayerGroup(layers[i:i + LAYERS_PER_GRAPH]) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
     for group in groups:
         compile_with_dynamic_tokens(group)
     decoder.layers = nn.ModuleList(groups)
-
-
-def call_directly(decoder: nn.Module) -> None:
-    """After the warm-up compiled the groups of compile_decoder_layers: each group calls the code
-    Dynamo made of its forward (which calls the compiled graph) as a plain function, without
-    Dynamo's frame hook, cache lookup and guards in between. So a step cannot trigger a
-    recompile (a changed intra-op thread count, which Dynamo guards on, no longer matters), and
-    no process-wide guard setting is needed that would also reach the user's own compiled code.
-    Nothing is lost that a step needs: steps pass what the warm-up passed (inference tensors of
-    the same dtypes, devices and static shapes; the token count is unbacked), and the graph
-    still asserts its inputs' sizes and strides. Dynamo's cache is read through its debug
-    accessor, the one view of it there is."""
-    for group in decoder.layers:
-        code = type(group).forward.__code__
-        entries = _debug_get_cache_entry_list(code)
-        if len(entries) != 1:
-            raise RuntimeError(f"expected the warm-up to compile one graph per group, found {len(entries)}")
-        function = types.FunctionType(entries[0].code, type(group).forward.__globals__, "forward")
-        group.forward = types.MethodType(function, group)

@@ -1,0 +1,79 @@
+"""The CPU's compiled decoder layers kept on disk: a later engine (a later start) loads the saved
+graph instead of compiling, whatever its KV cache's size, and generates what a freshly compiled
+engine and eager generate; a damaged file is compiled again; the key tells apart what the graph
+depends on and nothing else."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.platforms import cpu_compile
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch) -> Path:
+    """An empty cache directory, and no graphs in this process yet."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_compile, "_compiled", {})
+    return tmp_path / "nanovllm" / "compiled-graphs"
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint) -> Path:
+    return tiny_checkpoint()
+
+
+def _generate(checkpoint, caplog, num_blocks: int, **kwargs) -> tuple[list[list[int]], str]:
+    cpu_compile._compiled.clear()  # as in a new process: only the files remain
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="nanovllm.platforms.cpu_compile"):
+        llm = LLM(str(checkpoint), dtype="float32", num_kvcache_blocks=num_blocks, **kwargs)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], caplog.text
+
+
+def test_a_later_engine_loads_the_saved_graph(checkpoint, cache_home, caplog):
+    eager, _ = _generate(checkpoint, caplog, 64, enforce_eager=True)
+    compiled, log = _generate(checkpoint, caplog, 64)
+    assert "compiled LayerGroup" in log and len(list(cache_home.glob("*.bin"))) == 1
+    loaded, log = _generate(checkpoint, caplog, 97)  # another cache size: the same graph
+    assert "loaded the compiled LayerGroup" in log and "compiled LayerGroup in" not in log
+    assert loaded == compiled == eager
+
+
+def test_a_damaged_graph_file_is_compiled_again(checkpoint, cache_home, caplog):
+    first, _ = _generate(checkpoint, caplog, 64)
+    (saved,) = cache_home.glob("*.bin")
+    saved.write_bytes(b"not a graph")
+    again, log = _generate(checkpoint, caplog, 64)
+    assert "ignoring the compiled graph" in log and "compiled LayerGroup in" in log
+    assert again == first and saved.stat().st_size > len(b"not a graph")  # saved anew
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+        self.weight = torch.nn.Parameter(torch.ones(16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight * self.factor
+
+
+def test_the_key_follows_what_the_graph_depends_on():
+    key = cpu_compile.graph_key(Scale(2.0), (torch.ones(3, 16),))
+    assert cpu_compile.graph_key(Scale(2.0), (torch.ones(50, 16),)) == key  # the token count is dynamic
+    assert cpu_compile.graph_key(Scale(3.0), (torch.ones(3, 16),)) != key  # a module's setting
+    assert cpu_compile.graph_key(Scale(2.0), (torch.ones(3, 16, dtype=torch.bfloat16),)) != key
+    assert cpu_compile.graph_key(Scale(2.0), (torch.ones(3, 32),)) != key
+    wider = Scale(2.0)
+    wider.weight = torch.nn.Parameter(torch.ones(32), requires_grad=False)
+    assert cpu_compile.graph_key(wider, (torch.ones(3, 16),)) != key
