@@ -122,9 +122,9 @@ def test_compiled_layers_round_like_eager(engines):
 
 
 def test_first_steps_compile_nothing():
-    """Start-up's warm-up compiles the graph that steps run, so a new engine's first prefill and
-    decodes compile nothing (steps call the compiled code without Dynamo). Dynamo's caches are emptied first: the layers called by hand above, outside
-    any step, would otherwise have compiled a step's graph already."""
+    """Start-up's warm-up compiles (or loads) the graph that steps run, so a new engine's first
+    prefill and decodes compile nothing (steps call the compiled code without Dynamo's frame
+    hook, whose caches are emptied first so that any compile would count)."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     llm = LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory_gb=0.1)
