@@ -17,8 +17,8 @@ sequence and KV head), so a decode-only step of few sequences splits each contex
 MAX_KV_SPLITS parts, flash-decoding style: each program attends over its part and writes its
 unnormalized output with its running max and sum, and a second kernel merges the parts. The
 number of parts depends on the batch size and the GPU's multiprocessors (and, in eager steps,
-the longest context): a CUDA graph captured for a batch size keeps it, and as a runtime argument it compiles nothing new.
-Parts beyond a short context find no key and weigh nothing in the merge.
+the longest context): a CUDA graph captured for a batch size keeps it, and as a runtime
+argument it compiles nothing new. Parts beyond a short context find no key and weigh nothing in the merge.
 
 The metadata holds only tensors plus the longest query length, and `prepare` copies
 nothing, so a decode step is captured by CUDA graphs over persistent buffers.

@@ -111,21 +111,20 @@ def graph_key(module: nn.Module, args: tuple[torch.Tensor, ...]) -> str:
     caches = {id(cache) for cache in _kv_caches(module)}
     for name, sub in module.named_modules():
         parts.append(f"{name}:{type(sub).__qualname__}")
-        for owner in (sub, getattr(sub, "linear_method", None)):
-            for attr, value in sorted(vars(owner).items() if owner is not None else ()):
-                if isinstance(value, torch.Tensor):
-                    parts.append(f"{attr}={_tensor_kind(value, whole=id(value) not in caches)}")
-                elif isinstance(value, (bool, int, float, str, tuple, type(None))):
-                    parts.append(f"{attr}={value!r}")
+        owners = [owner for owner in (sub, getattr(sub, "linear_method", None)) if owner is not None]
+        for attr, value in (item for owner in owners for item in sorted(vars(owner).items())):
+            if isinstance(value, torch.Tensor):
+                parts.append(f"{attr}={value.dtype}[{value.dim()}]" if id(value) in caches
+                             else f"{attr}={_tensor_kind(value)}")
+            elif isinstance(value, (bool, int, float, str, tuple, type(None))):
+                parts.append(f"{attr}={value!r}")
     parts += [f"{name}={_tensor_kind(t)}" for name, t in module.named_parameters()]
     parts += [f"{name}={_tensor_kind(t)}" for name, t in module.named_buffers()]
     parts += [f"arg={a.dtype}{tuple(a.shape[1:])}{a.stride()[1:]}" for a in args]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _tensor_kind(tensor: torch.Tensor, whole: bool = True) -> str:
-    if not whole:
-        return f"{tensor.dtype}[{tensor.dim()}]"
+def _tensor_kind(tensor: torch.Tensor) -> str:
     return f"{tensor.dtype}{tuple(tensor.shape)}{tensor.stride()}{tensor.device}"
 
 
