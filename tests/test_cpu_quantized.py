@@ -60,14 +60,23 @@ def test_integer_path_is_the_product(qtype, m, dtype):
 
 
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
-def test_dequantizing_path_is_the_fp32_product(qtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_path_is_the_fp32_product(qtype, dtype):
+    """Rows past a group of 16, weight rows past a block of tiles, a bias, any leading dims: the
+    fp32 product to within the rounding of a K-term sum (and bf16 output rounding)."""
     n, k, m = 300, 256, 40
     blocks = random_blocks(qtype, n, k)
-    x = torch.randn(2, m // 2, k)  # any leading dims
-    y = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 16)
-    expected = x @ reference_dequantize(blocks, qtype, k).T
-    assert y.shape == (2, m // 2, n)
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, m // 2, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    y = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], bias, 16)
+    weight = reference_dequantize(blocks, qtype, k).double()
+    expected = x.double() @ weight.T + bias.double()
+    assert y.dtype == dtype and y.shape == (2, m // 2, n)
+    if dtype == torch.float32:
+        bound = k * 2.0**-24 * (x.double().abs() @ weight.abs().T + bias.double().abs())
+        assert ((y.double() - expected).abs() <= bound).all()
+    else:
+        torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
 def test_a_row_stride_wider_than_the_blocks_and_bad_input():
@@ -86,7 +95,7 @@ def test_a_row_stride_wider_than_the_blocks_and_bad_input():
 @requires_default_model
 @pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.ffn_down.weight", "blk.3.attn_q.weight"])
 def test_real_tensors_of_the_default_file(name):
-    """The embedding (Q8_0, 49152 rows: the dequantizing path takes it in four panels) and Q4_1 layers."""
+    """The embedding (Q8_0, 49152 rows) and Q4_1 layers."""
     from nanovllm.loader.default_model import default_model_path
     from nanovllm.loader.gguf import _read
 
@@ -101,6 +110,22 @@ def test_real_tensors_of_the_default_file(name):
                                expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
     torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(many, blocks, BLOCK_TYPES[qtype], None, 16),
                                many @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_lm_head_logits_are_the_kernels_fp32_sums():
+    """bf16 hidden states, fp32 logits, not rounded to bf16 (whose steps at a logit of ~16 are
+    1/16: a small model's top tokens then tie)."""
+    from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
+
+    blocks = random_blocks("Q8_0", 64, 128)
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(blocks, requires_grad=False)
+    hidden = torch.randn(3, 128).bfloat16()
+    logits = CPUGGUFLinearMethod("Q8_0", torch.bfloat16).logits(head, hidden)
+    expected = hidden.float() @ reference_dequantize(blocks, "Q8_0", 128).T
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    assert not torch.equal(logits, logits.bfloat16().float())
 
 
 def test_quantize_at_load_keeps_every_matrix_in_blocks(tmp_path):

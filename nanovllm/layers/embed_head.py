@@ -58,6 +58,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp_group=tp_group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] on rank 0, None elsewhere."""
-        logits = self.tp_group.gather(self.linear_method.apply(self, hidden, None), dim=-1)
+        """hidden [n, hidden_size] -> fp32 logits [n, vocab_size] on rank 0, None elsewhere."""
+        logits = self.tp_group.gather(self.linear_method.logits(self, hidden), dim=-1)
         return None if logits is None else logits[:, :self.vocab_size]

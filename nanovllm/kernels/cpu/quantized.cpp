@@ -7,15 +7,14 @@
 // scaled in fp32 by both blocks' scales. The weight then streams from memory once at its own size
 // (0.56-1.06 bytes a value), the point of a quantized file on a CPU. Unlike llama.cpp's 8 bits, x
 // keeps 16 bits a value: with 8 the default model misses the quality floor of top-1 agreement
-// with its dense self (benchmarks/RESULTS.md). Many rows (prefill) dequantize the weight into
-// fp32 for a GEMM: there the GEMM's cost dwarfs the dequantization, and the product is exact over
-// the weight's values.
+// with its dense self (benchmarks/RESULTS.md). Many rows (prefill) run an fp32 GEMM over weight
+// rows dequantized a few dozen at a time into cache: there the GEMM's cost dwarfs the
+// dequantization, and the product is exact over the weight's values.
 
 #include "ops.h"
 #include "simd.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <array>
@@ -272,25 +271,78 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
   });
 }
 
-// x (fp32) W^T through fp32 GEMMs on the weight dequantized, up to 1M values (4 MB, cache-sized) at
-// a time: a whole layer's but an LM head's. The dequantization is small beside a GEMM of the rows
-// that take this path.
-template <class F>
-at::Tensor dequantized_linear(const at::Tensor& x32, const uint8_t* w, int64_t w_stride, int64_t N, int64_t K) {
-  const int64_t M = x32.size(0), panel_rows = std::max<int64_t>(16, (int64_t(1) << 20) / K);
-  if (N <= panel_rows) {
-    at::Tensor weight = at::empty({N, K}, x32.options());
-    dequantize_rows<F>(w, w_stride, N, K, weight.data_ptr<float>());
-    return at::mm(x32, weight.t());
+// ---- Many rows: a GEMM over weight rows dequantized a few at a time -------------------------
+// x is packed once as groups of 16 rows, [K][16] fp32 (a Vec a column), and each task
+// dequantizes kBlockRows weight rows into a buffer of its own that stays in L2, then runs every
+// group of x past them in tiles of kTileRows weight rows x 16 rows of x: per k, one Vec of x and
+// a broadcast weight value per tile row, kTileRows FMAs into accumulators held in registers for
+// the whole of K. The weight is thus dequantized once a call into cache, never written out to
+// memory in fp32 and read back, and x streams from L2.
+
+// Accumulators, one x Vec and a broadcast within the registers (AVX2: 6 x 2 + 2 + 1 of 16).
+constexpr int kTileRows = simd::kRegisters == 32 ? 12 : 6;
+constexpr int kBlockRows = 8 * kTileRows;
+
+// acc[r] = sum over k of w[r * K + k] * xp[16 k .. 16 k + 15].
+inline void tile_dot(const float* w, int64_t K, const float* xp, simd::Vec* acc) {
+  for (int r = 0; r < kTileRows; r++) acc[r] = simd::zero();
+  for (int64_t k = 0; k < K; k++) {
+    const simd::Vec xv = simd::load(xp + 16 * k);
+#pragma GCC unroll 12
+    for (int r = 0; r < kTileRows; r++) acc[r] = simd::fmadd(simd::set1(w[r * K + k]), xv, acc[r]);
   }
-  at::Tensor y = at::empty({M, N}, x32.options());
-  at::Tensor panel = at::empty({panel_rows, K}, x32.options());
-  for (int64_t n0 = 0; n0 < N; n0 += panel_rows) {
-    const int64_t rows = std::min(panel_rows, N - n0);
-    dequantize_rows<F>(w + n0 * w_stride, w_stride, rows, K, panel.data_ptr<float>());
-    y.narrow(1, n0, rows).copy_(at::mm(x32, panel.narrow(0, 0, rows).t()));
-  }
-  return y;
+}
+
+template <typename T>
+std::vector<float> pack_groups_of_16(const T* x, int64_t x_stride, int64_t M, int64_t K) {
+  const int64_t groups = (M + 15) / 16;
+  std::vector<float> packed(groups * K * 16);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g++) {
+      float* dst = packed.data() + g * K * 16;
+      for (int64_t j = 0; j < 16; j++) {
+        const int64_t m = g * 16 + j;
+        if (m < M)
+          for (int64_t k = 0; k < K; k++) dst[16 * k + j] = float(x[m * x_stride + k]);
+        else
+          for (int64_t k = 0; k < K; k++) dst[16 * k + j] = 0.0f;
+      }
+    }
+  });
+  return packed;
+}
+
+template <class F, typename T>
+void dequantizing_gemm(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_stride, const float* bias, T* y,
+                       int64_t M, int64_t N, int64_t K) {
+  const std::vector<float> xp = pack_groups_of_16(x, x_stride, M, K);
+  const int64_t groups = (M + 15) / 16, blocks = (N + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(kBlockRows * K);
+    alignas(64) float tile[kTileRows][16];
+    for (int64_t b = begin; b < end; b++) {
+      const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, N - n0);
+      for (int64_t r = 0; r < kBlockRows; r++) {
+        if (r < n_rows)
+          dequantize_row<F>(w + (n0 + r) * w_stride, K, rows.data() + r * K);
+        else  // rows past N: zeros, computed and never stored
+          std::fill_n(rows.data() + r * K, K, 0.0f);
+      }
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t m_rows = std::min<int64_t>(16, M - g * 16);
+        for (int64_t t = 0; t * kTileRows < n_rows; t++) {
+          simd::Vec acc[kTileRows];
+          tile_dot(rows.data() + t * kTileRows * K, K, xp.data() + g * K * 16, acc);
+          for (int r = 0; r < kTileRows; r++) simd::store(tile[r], acc[r]);
+          const int64_t n = n0 + t * kTileRows, tile_rows = std::min<int64_t>(kTileRows, N - n);
+          for (int64_t j = 0; j < m_rows; j++) {
+            T* out = y + (g * 16 + j) * N + n;
+            for (int64_t r = 0; r < tile_rows; r++) out[r] = T(tile[r][j] + (bias != nullptr ? bias[n + r] : 0.0f));
+          }
+        }
+      }
+    }
+  });
 }
 
 template <class Body>
@@ -335,19 +387,18 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
     using F = decltype(format);
     check_blocks<F>(blocks, K);
     const uint8_t* w = blocks.data_ptr<uint8_t>();
-    if (M <= max_integer_rows) {
-      y = at::empty({M, N}, x.options());
-      const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
-      if (x.scalar_type() == at::kFloat)
-        integer_linear<F>(rows.data_ptr<float>(), K, w, blocks.stride(0), b, y.data_ptr<float>(), M, N, K);
+    y = at::empty({M, N}, x.options());
+    const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
+    const auto run = [&](auto* x_rows, auto* y_rows) {
+      if (M <= max_integer_rows)
+        integer_linear<F>(x_rows, K, w, blocks.stride(0), b, y_rows, M, N, K);
       else
-        integer_linear<F>(rows.data_ptr<BFloat16>(), K, w, blocks.stride(0), b, y.data_ptr<BFloat16>(), M, N,
-                          K);
-    } else {
-      y = dequantized_linear<F>(rows.to(at::kFloat), w, blocks.stride(0), N, K);
-      if (b32.defined()) y.add_(b32);
-      y = y.to(x.scalar_type());
-    }
+        dequantizing_gemm<F>(x_rows, K, w, blocks.stride(0), b, y_rows, M, N, K);
+    };
+    if (x.scalar_type() == at::kFloat)
+      run(rows.data_ptr<float>(), y.data_ptr<float>());
+    else
+      run(rows.data_ptr<BFloat16>(), y.data_ptr<BFloat16>());
   });
   return y.view(shape);
 }

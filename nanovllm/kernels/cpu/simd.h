@@ -79,6 +79,8 @@ inline uint32_t positive_lanes(Vec x) { return _mm512_cmp_ps_mask(x.v, _mm512_se
 inline Vec load_first(const float* p, int64_t n, float fill) {
   return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), first(n), p)};
 }
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x.v); }
 inline Vec widen_bf16(__m256i x) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))}; }
 // min(n, 16) bf16 values from p widened to fp32; the rest are 0.
 inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p)); }
@@ -176,6 +178,11 @@ inline Vec load_first(const float* p, int64_t n, float fill) {
   const __m256 f = _mm256_set1_ps(fill);
   return {_mm256_blendv_ps(f, _mm256_maskload_ps(p, mlo), _mm256_castsi256_ps(mlo)),
           _mm256_blendv_ps(f, _mm256_maskload_ps(p + 8, mhi), _mm256_castsi256_ps(mhi))};
+}
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Vec x) {
+  _mm256_storeu_ps(p, x.lo);
+  _mm256_storeu_ps(p + 8, x.hi);
 }
 inline __m256 widen8(__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); }
 inline Vec widen_bf16(__m256i x) { return {widen8(_mm256_castsi256_si128(x)), widen8(_mm256_extracti128_si256(x, 1))}; }
@@ -301,6 +308,8 @@ inline uint32_t positive_lanes(Vec x) {
   return bits;
 }
 inline Vec load_first(const float* p, int64_t n, float fill) { return map([&](int j) { return j < n ? p[j] : fill; }); }
+inline Vec load(const float* p) { return map([&](int j) { return p[j]; }); }
+inline void store(float* p, Vec x) { std::memcpy(p, x.v, sizeof(x.v)); }
 inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return map([&](int j) { return j < n ? float(p[j]) : 0.0f; }); }
 inline void store_bf16(BFloat16* p, Vec x, int64_t n = 16) {
   for (int j = 0; j < 16 && j < n; j++) p[j] = BFloat16(x.v[j]);

@@ -24,6 +24,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
+    def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden W^T for an LM head, in fp32: the sampler's dtype, and the dtype a method whose
+        kernel sums in fp32 keeps unrounded (bf16 logits of a 135M model tie at its top tokens)."""
+        return self.apply(layer, hidden, None).float()
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight, for an embedding that stores its table through this method."""
         return F.embedding(ids, layer.weight)

@@ -1,7 +1,7 @@
 """The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K,
 Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp): few rows as integer dot
-products over activations quantized to 16-bit blocks, more rows by a GEMM on the weight
-dequantized to fp32.
+products over activations quantized to 16-bit blocks, more rows by an fp32 GEMM over weight rows
+dequantized a few at a time into cache.
 
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
 weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). An
@@ -11,15 +11,11 @@ embedding looks up rows of blocks and dequantizes only those.
 import torch
 from torch import nn
 
-from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.quantization.base import LinearMethod
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes, row_values
 
-# Rows up to which the integer kernel runs; above, dequantize-then-GEMM (benchmarks/RESULTS.md).
-# A vocabulary-sized projection (the LM head) always takes the integer path: dequantizing its ~28M
-# values costs more than a GEMM saves at the row counts a step samples.
-MAX_INTEGER_ROWS = 16
-VOCABULARY_MAX_INTEGER_ROWS = 1 << 30
+# Rows up to which the integer kernel runs; above, the dequantizing GEMM (benchmarks/RESULTS.md).
+MAX_INTEGER_ROWS = 10
 
 
 class CPUGGUFLinearMethod(LinearMethod):
@@ -27,7 +23,6 @@ class CPUGGUFLinearMethod(LinearMethod):
         self.qtype = qtype
         self.type_id = BLOCK_TYPES[qtype]
         self.dtype = dtype  # of activations, and of the rows an embedding looks up
-        self.max_integer_rows = MAX_INTEGER_ROWS
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         """The blocks parameter (a bias, when there is one, stays the layer's dense parameter)."""
@@ -40,8 +35,6 @@ class CPUGGUFLinearMethod(LinearMethod):
         output_size, input_size = layer.weight.shape
         self.create_weights(layer, input_size, output_size, bias=False)
         layer.linear_method = self
-        if isinstance(layer, VocabParallelEmbedding):  # the table an LM head multiplies (when tied, too)
-            self.max_integer_rows = VOCABULARY_MAX_INTEGER_ROWS
 
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
@@ -52,7 +45,11 @@ class CPUGGUFLinearMethod(LinearMethod):
         return load
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, self.max_integer_rows)
+        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, MAX_INTEGER_ROWS)
+
+    def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        # x in fp32 makes the kernel return its fp32 sums (the quantized x is the same).
+        return torch.ops.nanovllm_cpu.gguf_linear(hidden.float(), layer.weight, self.type_id, None, MAX_INTEGER_ROWS)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
