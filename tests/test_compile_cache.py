@@ -1,11 +1,12 @@
 """The CPU's compiled decoder layers kept on disk: a later engine (a later start) loads the saved
 graph instead of compiling, whatever its KV cache's size, and generates what a freshly compiled
-engine and eager generate; a damaged file is compiled again; the key tells apart what the graph
-depends on and nothing else."""
+engine and eager generate; a damaged file is compiled again; old files are pruned, the least
+recently used first; the key tells apart what the graph depends on and nothing else."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,24 @@ def test_a_damaged_graph_file_is_compiled_again(checkpoint, cache_home, caplog):
     again, log = _generate(checkpoint, caplog, 64)
     assert "ignoring the compiled graph" in log and "compiled LayerGroup in" in log
     assert again == first and saved.stat().st_size > len(b"not a graph")  # saved anew
+
+
+def test_old_graphs_are_pruned_and_a_load_counts_as_a_use(checkpoint, cache_home, caplog):
+    _generate(checkpoint, caplog, 64)
+    (saved,) = cache_home.glob("*.bin")
+    saved_at = saved.stat().st_mtime
+    old = saved_at - 1000
+    for i in range(cpu_compile.MAX_SAVED_GRAPHS + 3):  # graphs of other sources or models
+        stale = cache_home / f"stale{i}.bin"
+        stale.write_bytes(b"")
+        os.utime(stale, (old + i, old + i))
+    os.utime(saved, (old - 1, old - 1))  # the least recent of all, until loaded
+    _, log = _generate(checkpoint, caplog, 64)
+    assert "loaded the compiled LayerGroup" in log and saved.stat().st_mtime >= saved_at
+    cpu_compile.prune_saved_graphs(cache_home)
+    kept = {p.name for p in cache_home.glob("*.bin")}
+    assert len(kept) == cpu_compile.MAX_SAVED_GRAPHS and saved.name in kept
+    assert "stale0.bin" not in kept and f"stale{cpu_compile.MAX_SAVED_GRAPHS + 2}.bin" in kept
 
 
 class Scale(torch.nn.Module):

@@ -39,6 +39,10 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass"
 # count, while more save less and compile longer (figures in benchmarks/RESULTS.md).
 LAYERS_PER_GRAPH = 2
 
+# Saved graphs kept at most (~0.4 MB each; every change of nano-vllm's sources or of a model's kind
+# saves new ones): past it the least recently used go, a load counting as a use.
+MAX_SAVED_GRAPHS = 32
+
 # The compiled forwards of this process by graph_key: engines of the same model share them.
 _compiled: dict[str, Callable] = {}
 
@@ -147,18 +151,36 @@ def _load(path: Path, f_globals: dict) -> Callable | None:
         return None
     try:
         with open(path, "rb") as file:
-            return torch.compiler.load_compiled_function(file, f_globals=f_globals)
+            compiled = torch.compiler.load_compiled_function(file, f_globals=f_globals)
     except Exception as e:  # a damaged or stale file must not stop the engine: compile afresh
         logger.warning("ignoring the compiled graph in %s (%s); compiling it again", path, e)
         return None
+    try:
+        os.utime(path)  # used now: the pruning keeps it
+    except OSError:
+        pass
+    return compiled
 
 
 def _save(compiled: Callable, path: Path) -> None:
     try:
         os.makedirs(path.parent, exist_ok=True)
         compiled.save_compiled_function(str(path))  # written to a temporary file, then renamed
+        prune_saved_graphs(path.parent)
     except OSError as e:  # a read-only home or a full disk: the next start compiles again
         logger.warning("could not save the compiled graph to %s (%s)", path, e)
+
+
+def prune_saved_graphs(directory: Path, keep: int = MAX_SAVED_GRAPHS) -> None:
+    """Delete all but the `keep` most recently used graph files in `directory`."""
+    used = []
+    for file in directory.glob("*.bin"):
+        try:
+            used.append((file.stat().st_mtime, file))
+        except FileNotFoundError:  # pruned meanwhile by another process
+            pass
+    for _, file in sorted(used, reverse=True)[keep:]:
+        file.unlink(missing_ok=True)
 
 
 class LayerGroup(nn.Module):
