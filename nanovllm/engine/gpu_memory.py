@@ -57,7 +57,7 @@ def run_warmup_step(model: torch.nn.Module, attn_layers: list[Attention], backen
         rows = torch.arange(config.max_num_seqs, device=device) % hidden.shape[0]
         logits = model.compute_logits(hidden[rows])
         if logits is not None:  # rank 0 samples
-            torch.softmax(logits.float(), dim=-1)
+            torch.softmax(logits, dim=-1)
     finally:
         for layer in attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)

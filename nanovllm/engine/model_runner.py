@@ -224,7 +224,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[start + offset:start + offset + n])
                 if logits is None:  # a non-zero tensor-parallel rank
                     continue
-                logprobs = torch.log_softmax(logits.float(), dim=-1)
+                logprobs = torch.log_softmax(logits, dim=-1)
                 targets = to_device(seq.token_ids[first + offset:first + offset + n], torch.long, logits.device)
                 entries += token_logprobs(logprobs, targets, [seq.sampling_params.prompt_logprobs] * n)
             if entries:

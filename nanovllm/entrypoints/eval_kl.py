@@ -69,7 +69,7 @@ def prompt_logits(llm, prompt: list[int]) -> torch.Tensor:
     finally:
         del model.compute_logits
     rows = torch.cat(captured)[: len(prompt) - 1]
-    return torch.log_softmax(rows.float(), dim=-1)
+    return torch.log_softmax(rows, dim=-1)
 
 
 def compare(reference: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -137,5 +137,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] on rank 0; None on other ranks."""
+        """hidden [n, hidden_size] -> fp32 logits [n, vocab_size] on rank 0; None on other ranks."""
         return self.lm_head(hidden)

@@ -39,8 +39,8 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True, "post_grad_custom_post_pass"
 # count, while more save less and compile longer (figures in benchmarks/RESULTS.md).
 LAYERS_PER_GRAPH = 2
 
-# Saved graphs kept at most (~0.4 MB each; every change of nano-vllm's sources or of a model's kind
-# saves new ones): past it the least recently used go, a load counting as a use.
+# Saved graphs kept at most (every change of nano-vllm's sources or of a model's kind saves new
+# ones): past it the least recently used go, a load counting as a use.
 MAX_SAVED_GRAPHS = 32
 
 # The compiled forwards of this process by graph_key: engines of the same model share them.

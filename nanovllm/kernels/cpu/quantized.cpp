@@ -322,12 +322,8 @@ void dequantizing_gemm(const T* x, int64_t x_stride, const uint8_t* w, int64_t w
     alignas(64) float tile[kTileRows][16];
     for (int64_t b = begin; b < end; b++) {
       const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, N - n0);
-      for (int64_t r = 0; r < kBlockRows; r++) {
-        if (r < n_rows)
-          dequantize_row<F>(w + (n0 + r) * w_stride, K, rows.data() + r * K);
-        else  // rows past N: zeros, computed and never stored
-          std::fill_n(rows.data() + r * K, K, 0.0f);
-      }
+      dequantize_rows<F>(w + n0 * w_stride, w_stride, n_rows, K, rows.data());  // serial: within a task
+      std::fill(rows.begin() + n_rows * K, rows.end(), 0.0f);  // rows past N: computed, never stored
       for (int64_t g = 0; g < groups; g++) {
         const int64_t m_rows = std::min<int64_t>(16, M - g * 16);
         for (int64_t t = 0; t * kTileRows < n_rows; t++) {
