@@ -144,11 +144,6 @@ void attend_rows_generic(const Row<T>* rows, int n, const T* k_cache, const T* v
 
 using simd::Vec;
 
-// acc += w . (the bf16 pair at p, broadcast to all 16 lanes).
-inline Vec dot_broadcast(Vec acc, const simd::Pairs& w, const BFloat16* p) {
-  return simd::dot(acc, w, simd::broadcast(simd::make_pair(p)));
-}
-
 // bf16, D = 16 * chunks, block size a multiple of 16: NR rows at once over 16-key tiles with an
 // online softmax, so every key and value load feeds NR dot products. Scores accumulate in fp32;
 // probabilities are rounded to bf16 for the value sum, as flash attention does.
@@ -161,8 +156,11 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
   const int64_t bs = pg.bs;
   Vec acc[NR][chunks];
   float running_max[NR], running_sum[NR];
+  // The query's pairs made once, not at every tile (on AVX2 each is two widenings).
+  simd::Pair query[NR][D / 2];
   int64_t last = 0;
   for (int r = 0; r < NR; r++) {
+    for (int dp = 0; dp < D / 2; dp++) query[r][dp] = simd::make_pair(rows[r].q + 2 * dp);
     for (int c = 0; c < chunks; c++) acc[r][c] = simd::zero();
     running_max[r] = -std::numeric_limits<float>::infinity();
     running_sum[r] = 0;
@@ -188,7 +186,7 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
         simd::prefetch(next_keys + dp * bs * 4);
         simd::prefetch(next_values + dp * 64);
         const simd::Pairs k = simd::load_pairs(keys + dp * bs * 2);
-        for (int r = 0; r < NR; r++) part[r][p] = dot_broadcast(part[r][p], k, rows[r].q + 2 * dp);
+        for (int r = 0; r < NR; r++) part[r][p] = simd::dot(part[r][p], k, simd::broadcast(query[r][dp]));
       }
     }
     for (int r = 0; r < NR; r++) {
@@ -219,10 +217,12 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
     const int64_t visible = std::min<int64_t>(last - t0 + 1, 16);
     for (int64_t tp = 0; 2 * tp < visible; tp++) {
       const bool half = 2 * tp + 1 >= visible;
+      simd::Broadcast prob_pairs[NR];
+      for (int r = 0; r < NR; r++) prob_pairs[r] = simd::broadcast(simd::make_pair(probs[r] + 2 * tp));
       for (int c = 0; c < chunks; c++) {
         const BFloat16* v = values + tp * D * 2 + c * 32;
         const simd::Pairs pairs = half ? simd::load_pairs_first_only(v) : simd::load_pairs(v);
-        for (int r = 0; r < NR; r++) acc[r][c] = dot_broadcast(acc[r][c], pairs, probs[r] + 2 * tp);
+        for (int r = 0; r < NR; r++) acc[r][c] = simd::dot(acc[r][c], pairs, prob_pairs[r]);
       }
     }
   }
@@ -232,10 +232,12 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
   }
 }
 
-// Rows per call: as many as registers allow (NR * (chunks + 1) accumulators); a decode's GQA
-// group (its query heads share every key and value) fits in one call on AVX-512.
+// Rows per call, so that each key and value tile loaded (and on AVX2 widened) serves several;
+// a decode's GQA group (its query heads share every key and value) fits in one call. Past the
+// registers (NR * (chunks + 1) accumulators; on AVX2 already at one row of head_dim 64) the
+// accumulators spill, and the reuse still wins (benchmarks/RESULTS.md).
 template <int chunks>
-constexpr int kRowsAtOnce = simd::kRegistersPerVec == 1 ? (chunks <= 4 ? 4 : 2) : (chunks <= 2 ? 2 : 1);
+constexpr int kRowsAtOnce = chunks <= 4 ? 4 : 2;
 
 template <int chunks, int... NRs>
 void attend_rows_bf16_groups(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
