@@ -176,56 +176,73 @@ struct DecodedBlock {
   }
 };
 
-// out[m] = weight row . x row m0 + m for P rows of x. Chunks go round-robin to U accumulators a
-// row of x, so that few rows still have independent sums in flight (the weight row itself streams
-// in order: several weight rows side by side are more streams than the hardware prefetcher follows
-// well from memory).
-template <class F, int P>
-void dot_rows(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m0, float* out) {
+// out[r * P + m] = weight row r . x row m0 + m, for R consecutive weight rows and P rows of x.
+// Chunks go round-robin to U accumulators a row of x, so that few rows still have independent
+// sums in flight. The R weight rows are read one after another (one stream: several rows side
+// by side are more streams than the hardware prefetcher follows well from memory), and their
+// sums reduced together at the end, so that a call's set-up and each row's reduction overlap
+// with work of the next row.
+template <class F, int P, int R = 1>
+void dot_rows(const uint8_t* w, int64_t w_stride, int64_t K, const QuantizedRows& x, int64_t m0, float* out) {
   constexpr int kChunks = F::kValues / 32;
-  constexpr int U = P == 1 ? 4 : P == 2 ? 2 : 1;
+  constexpr int U = P == 1 ? (R == 1 ? 4 : 2) : P == 2 ? 2 : 1;
   constexpr int G = U > kChunks ? U / kChunks : 1;  // blocks a step, so that the accumulator is constant
-  Vec8 acc[P][U];
-  float offsets[P];
-  for (int m = 0; m < P; m++) {
-    offsets[m] = 0.0f;
-    for (int u = 0; u < U; u++) acc[m][u] = simd::zero8();
-  }
+  Vec8 acc[R][P][U];
+  float offsets[R][P][U];  // as many chains as the vector sums: one would bound a chunk by its latency
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++)
+      for (int u = 0; u < U; u++) {
+        acc[r][m][u] = simd::zero8();
+        offsets[r][m][u] = 0.0f;
+      }
   const int64_t blocks = K / F::kValues;
-  for (int64_t b0 = 0; b0 < blocks; b0 += G) {
 #pragma GCC unroll 4
-    for (int g = 0; g < G; g++) {
-      const int64_t b = b0 + g;
-      if (G > 1 && b >= blocks) break;
-      DecodedBlock<F> block;
-      block.decode(row + b * F::kBytes);
+  for (int r = 0; r < R; r++) {
+    const uint8_t* row = w + r * w_stride;
+    for (int64_t b0 = 0; b0 < blocks; b0 += G) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; g++) {
+        const int64_t b = b0 + g;
+        if (G > 1 && b >= blocks) break;
+        DecodedBlock<F> block;
+        block.decode(row + b * F::kBytes);
 #pragma GCC unroll 8
-      for (int c = 0; c < kChunks; c++) {
-        const int64_t chunk = b * kChunks + c;
-        const int u = (g * kChunks + c) % U;
+        for (int c = 0; c < kChunks; c++) {
+          const int64_t chunk = b * kChunks + c;
+          const int u = (g * kChunks + c) % U;
 #pragma GCC unroll 8
-        for (int m = 0; m < P; m++) {
-          const int64_t xc = (m0 + m) * x.chunks + chunk;
-          const Words xq = simd::load_words(x.values(m0 + m, chunk));
-          const simd::Sums dot = F::kScalePer16 ? simd::dot_halves(block.q[c], xq) : simd::dot(block.q[c], xq);
-          acc[m][u] = simd::fmadd8(simd::to_float(dot), simd::mul8(block.scale[c], simd::set1_8(x.scale[xc])),
-                                   acc[m][u]);
-          if constexpr (F::kOffset) offsets[m] += block.offset[c] * x.sum[xc];
+          for (int m = 0; m < P; m++) {
+            const int64_t xc = (m0 + m) * x.chunks + chunk;
+            const Words xq = simd::load_words(x.values(m0 + m, chunk));
+            const simd::Sums dot = F::kScalePer16 ? simd::dot_halves(block.q[c], xq) : simd::dot(block.q[c], xq);
+            acc[r][m][u] = simd::fmadd8(simd::to_float(dot), simd::mul8(block.scale[c], simd::set1_8(x.scale[xc])),
+                                        acc[r][m][u]);
+            if constexpr (F::kOffset) offsets[r][m][u] += block.offset[c] * x.sum[xc];
+          }
         }
       }
     }
   }
-  for (int m = 0; m < P; m++) {
-    Vec8 total = acc[m][0];
-    for (int u = 1; u < U; u++) total = simd::add8(total, acc[m][u]);
-    out[m] = simd::reduce_add8(total) + offsets[m];
-  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < P; m++) {
+      Vec8 total = acc[r][m][0];
+      float offset = offsets[r][m][0];
+      for (int u = 1; u < U; u++) {
+        total = simd::add8(total, acc[r][m][u]);
+        offset += offsets[r][m][u];
+      }
+      out[r * P + m] = simd::reduce_add8(total) + offset;
+    }
 }
 
 // Rows of x per pass over a weight row: the accumulators with a weight chunk and its scale fit
 // the sixteen ymm registers.
 constexpr int kMaxPass = 8;
-using DotRowsFn = void (*)(const uint8_t*, int64_t, const QuantizedRows&, int64_t, float*);
+// Weight rows per call for one row of x (a decode): four share a call's set-up and overlap their
+// reductions (benchmarks/RESULTS.md); more spill the accumulators.
+constexpr int kRowsPerCall = 4;
+using DotRowsFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, float*);
 template <class F, int... Ps>
 constexpr auto make_dot_table(std::integer_sequence<int, Ps...>) {
   return std::array<DotRowsFn, sizeof...(Ps)>{&dot_rows<F, Ps + 1>...};
@@ -240,13 +257,25 @@ void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_st
   // ~16 KB of weights a task at the least: a parallel region costs a few us.
   const int64_t grain = std::max<int64_t>(1, 16384 / (K / F::kValues * F::kBytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float out[kMaxPass];
+    float out[std::max(kMaxPass, kRowsPerCall)];
+    const auto store = [&](int64_t m, int64_t n, float value) { y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f)); };
+    if (M == 1) {
+      int64_t n = begin;
+      for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
+        dot_rows<F, 1, kRowsPerCall>(w + n * w_stride, w_stride, K, xq, 0, out);
+        for (int r = 0; r < kRowsPerCall; r++) store(0, n + r, out[r]);
+      }
+      for (; n < end; n++) {
+        dot_rows<F, 1>(w + n * w_stride, w_stride, K, xq, 0, out);
+        store(0, n, out[0]);
+      }
+      return;
+    }
     for (int64_t n = begin; n < end; n++) {
-      const float b = bias != nullptr ? bias[n] : 0.0f;
       for (int64_t i = 0, m0 = 0; i < passes; i++) {
         const int64_t rows = (M - m0) / (passes - i);
-        table[rows - 1](w + n * w_stride, K, xq, m0, out);
-        for (int64_t m = 0; m < rows; m++) y[(m0 + m) * N + n] = T(out[m] + b);
+        table[rows - 1](w + n * w_stride, w_stride, K, xq, m0, out);
+        for (int64_t m = 0; m < rows; m++) store(m0 + m, n, out[m]);
         m0 += rows;
       }
     }
