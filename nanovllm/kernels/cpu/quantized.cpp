@@ -258,7 +258,9 @@ void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_st
   const int64_t grain = std::max<int64_t>(1, 16384 / (K / F::kValues * F::kBytes));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[std::max(kMaxPass, kRowsPerCall)];
-    const auto store = [&](int64_t m, int64_t n, float value) { y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f)); };
+    const auto store = [&](int64_t m, int64_t n, float value) {
+      y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
+    };
     if (M == 1) {
       int64_t n = begin;
       for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
