@@ -261,19 +261,13 @@ void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_st
     const auto store = [&](int64_t m, int64_t n, float value) {
       y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
     };
-    if (M == 1) {
-      int64_t n = begin;
+    int64_t n = begin;
+    if (M == 1)  // a decode: weight rows four a call; the last few go one by one below
       for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
         dot_rows<F, 1, kRowsPerCall>(w + n * w_stride, w_stride, K, xq, 0, out);
         for (int r = 0; r < kRowsPerCall; r++) store(0, n + r, out[r]);
       }
-      for (; n < end; n++) {
-        dot_rows<F, 1>(w + n * w_stride, w_stride, K, xq, 0, out);
-        store(0, n, out[0]);
-      }
-      return;
-    }
-    for (int64_t n = begin; n < end; n++) {
+    for (; n < end; n++) {
       for (int64_t i = 0, m0 = 0; i < passes; i++) {
         const int64_t rows = (M - m0) / (passes - i);
         table[rows - 1](w + n * w_stride, w_stride, K, xq, m0, out);
