@@ -1,5 +1,6 @@
-"""The CPU bf16 path (packed linears, compiled layers, the CPU attention kernels) on the default
-model: against transformers in bf16, both scored by transformers in fp32; compiled against eager.
+"""The CPU bf16 path (packed linears, fused or compiled layers, the CPU attention kernels) on the
+default model: against transformers in bf16, both scored by transformers in fp32; fused or
+compiled against eager.
 
 bf16 keeps 8 significant bits, so two bf16 implementations that round at different places
 cannot agree exactly, nor pick the same token wherever two are nearly tied. The tolerance is
@@ -22,6 +23,7 @@ from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.platforms.cpu import KERNEL_MODULES
 from nanovllm.platforms.cpu_compile import LayerGroup
+from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayer
 
 pytestmark = requires_default_model
 
@@ -82,14 +84,14 @@ def test_known_answer(engines, mode):
     assert "Paris" in out[0].outputs[0].text
 
 
-def test_compiled_layers_round_like_eager(engines):
-    """Fed the same inputs, each compiled group of decoder layers returns eager's output to
-    within one bf16 unit in the last place of its largest element: the fused code rounds to bf16
-    where the eager ops do.
+def test_layers_round_like_eager(engines):
+    """Fed the same inputs, each fused layer returns eager's output bit for bit, and each
+    compiled group of decoder layers within one bf16 unit in the last place of its largest
+    element: the compiled code rounds to bf16 where the eager ops do.
 
-    With the CPU's elementwise kernels (AVX512-BF16) the graph calls the same kernels as eager
-    between its linears. Without them (bf16 asked for on an AVX2-only CPU) Inductor fuses the
-    norms, RoPE and SiLU itself: it rounds where eager does (emulate_precision_casts, and
+    With the CPU's elementwise kernels (AVX2 or AVX-512) the layers run fused: the same kernels
+    as eager, in its order. Without them (bf16 on the `none` variant) Inductor fuses the norms,
+    RoPE and SiLU itself: it rounds where eager does (emulate_precision_casts, and
     inductor_rounding for a matmul's residual add), but it sums a norm's squares in its own
     order, so the norm's fp32 scale can move in its last bits and an element in a few thousand
     round to the neighbouring bf16 value; what follows carries that on, below an ulp of the
@@ -103,20 +105,22 @@ def test_compiled_layers_round_like_eager(engines):
                          block_tables=blocks[None], max_query_len=n, max_context_len=n)
     model = runner.model.model
     positions = torch.arange(n)
+    fused = cpu_kernels.has_simd_kernels()
     with torch.inference_mode(), forward_context(runner.backend, runner.backend.prepare(layout)):
         hidden = model.embed_tokens(torch.tensor(prompt))
         residual = torch.zeros_like(hidden)
-        assert all(isinstance(group, LayerGroup) for group in model.layers)  # compiled groups
-        if cpu_kernels.has_simd_kernels():  # ... around the elementwise kernels, in both modes
+        assert all(isinstance(layer, FusedDecoderLayer if fused else LayerGroup) for layer in model.layers)
+        if fused:  # ... on the elementwise kernels, in both modes
             for engine in engines.values():
                 modules = list(engine.llm_engine.executor.model.modules())
                 assert not any(type(m) in KERNEL_MODULES for m in modules)
                 assert any(type(m) in KERNEL_MODULES.values() for m in modules)
-        for group in model.layers:
-            eager = type(group).forward(group, positions, hidden, residual)
-            compiled = group(positions, hidden, residual)
-            for e, c in zip(eager, compiled):
-                ulp = 2.0 ** (torch.frexp(e.float().abs().max()).exponent.item() - 8)
+        for layer in model.layers:
+            eager = layer.layer(positions, hidden, residual) if fused else type(layer).forward(layer, positions,
+                                                                                               hidden, residual)
+            out = layer(positions, hidden, residual)
+            for e, c in zip(eager, out):
+                ulp = 0.0 if fused else 2.0 ** (torch.frexp(e.float().abs().max()).exponent.item() - 8)
                 assert (e.float() - c.float()).abs().max().item() <= ulp
             hidden, residual = eager
 

@@ -1,10 +1,11 @@
 """The CPU platform: the compiled kernels where the machine runs them, torch.compile of the
 decoder layers, and memory settings for steps and the KV cache.
 
-In bf16 on a machine that runs the bf16 kernels (nanovllm/kernels/cpu.py), every linear layer
-and the LM head take the packed CPU method, and RMSNorm and the gated SiLU become modules that
-call the elementwise kernels (rounding where the eager layers do). Elsewhere the plain PyTorch
-layers run, compiled unless in fp32.
+In bf16 on a machine that runs the SIMD kernels (nanovllm/kernels/cpu.py), every dense linear
+layer and the LM head take the packed CPU method, and RMSNorm and the gated SiLU become modules
+that call the elementwise kernels (rounding where the eager layers do); decoder layers of the
+Llama family then run as one kernel call each (cpu_fused_layers) instead of compiled. Elsewhere
+the plain PyTorch layers run, compiled.
 """
 
 import ctypes
@@ -25,6 +26,7 @@ from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.platforms import Platform
 from nanovllm.platforms.cpu_compile import compile_decoder_layers
+from nanovllm.platforms.cpu_fused_layers import fuse_decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class CPUPlatform(Platform):
         # enforce_eager is the exact reference; tensor parallelism runs eager (collectives
         # inside the graph are not worth a compile on CPU).
         self.compiled = not enforce_eager and tp_group.world_size == 1
+        self.elementwise_kernels = False  # set by prepare_model
 
     def prepare_model(self, model: nn.Module) -> None:
         if self.dtype != torch.bfloat16 or not cpu_kernels.has_simd_kernels():
@@ -94,6 +97,7 @@ class CPUPlatform(Platform):
                    and (not isinstance(m, VocabParallelEmbedding) or isinstance(m, ParallelLMHead))]
         CPUPackedBF16LinearMethod.pack_all(linears)
         use_elementwise_kernels(model)
+        self.elementwise_kernels = True
 
     def block_linear_method(self, qtype: str) -> LinearMethod | None:
         # Imported here: the block formats' tables come from gguf-py, which only block weights need.
@@ -106,9 +110,10 @@ class CPUPlatform(Platform):
         return cpu_kernels.empty_in_huge_pages(shape, dtype)
 
     def compile(self, model: nn.Module, warmup: Callable[[], None]) -> float:
-        """Compile the decoder layers (see cpu_compile) now rather than in the first request:
-        `warmup` runs a step's kind of inputs through them (which compiles them, or loads the
-        graphs a previous start saved), and steps then call the compiled code directly."""
+        """Fuse the decoder layers where every part runs on the kernels (see cpu_fused_layers),
+        else compile them (see cpu_compile) now rather than in the first request: `warmup` runs
+        a step's kind of inputs through them (which compiles them, or loads the graphs a
+        previous start saved), and steps then call the compiled code directly."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
@@ -116,8 +121,12 @@ class CPUPlatform(Platform):
         # that changes global state (a tensor-parallel executor's restores the thread count)
         # makes Dynamo abort the trace.
         gc.collect()
-        compile_decoder_layers(model.model)
+        if self.elementwise_kernels and fuse_decoder_layers(model.model):
+            done = "fused the decoder layers (one kernel call each)"
+        else:
+            compile_decoder_layers(model.model)
+            done = "compiled (or loaded) the decoder layers"
         warmup()
         seconds = time.perf_counter() - start
-        logger.info("compiled (or loaded) the decoder layers for CPU in %.1f s", seconds)
+        logger.info("%s for CPU in %.1f s", done, seconds)
         return seconds

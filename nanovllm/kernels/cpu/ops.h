@@ -3,6 +3,7 @@
 
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -40,5 +41,12 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
+
+// decoder_layer.cpp
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
+    const c10::List<std::optional<at::Tensor>>& weights, at::IntArrayRef settings, double eps, double scale,
+    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& context_lens, const at::Tensor& block_tables);
 
 }  // namespace nanovllm_cpu

@@ -66,6 +66,12 @@ inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec div(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+// x as computed, opaque to the compiler: a product passed through it is not contracted with
+// the add that follows into one FMA (GCC contracts intrinsics too), so it rounds as eager's ops.
+inline Vec rounded(Vec x) {
+  asm("" : "+v"(x.v));
+  return x;
+}
 inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x.v); }
 inline float reduce_max(Vec x) { return _mm512_reduce_max_ps(x.v); }
 // Lanes from n on take `fill`.
@@ -151,6 +157,10 @@ inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(
 inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline Vec rounded(Vec x) {
+  asm("" : "+x"(x.lo), "+x"(x.hi));
+  return x;
+}
 inline float reduce8(__m256 x, __m128 (*op)(__m128, __m128)) {
   __m128 r = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   r = op(r, _mm_movehl_ps(r, r));
@@ -290,6 +300,10 @@ inline Vec mul(Vec a, Vec b) { return map([&](int j) { return a.v[j] * b.v[j]; }
 inline Vec div(Vec a, Vec b) { return map([&](int j) { return a.v[j] / b.v[j]; }); }
 inline Vec max(Vec a, Vec b) { return map([&](int j) { return a.v[j] > b.v[j] ? a.v[j] : b.v[j]; }); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return map([&](int j) { return std::fma(a.v[j], b.v[j], c.v[j]); }); }
+inline Vec rounded(Vec x) {
+  asm("" : "+m"(x));
+  return x;
+}
 inline float reduce_add(Vec x) {
   float s = 0;
   for (float v : x.v) s += v;

@@ -47,6 +47,12 @@ class CPUGGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, MAX_INTEGER_ROWS)
 
+    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
+        """The linear as one fused layer's kernel takes it (kernels/cpu/decoder_layer.cpp): its
+        kind (the block type id), weight tensors (blocks; no packed or oneDNN copy) and the rows
+        up to which the integer path runs."""
+        return self.type_id, [layer.weight, None, None], MAX_INTEGER_ROWS
+
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         # x in fp32 makes the kernel return its fp32 sums (the quantized x is the same).
         return torch.ops.nanovllm_cpu.gguf_linear(hidden.float(), layer.weight, self.type_id, None, MAX_INTEGER_ROWS)

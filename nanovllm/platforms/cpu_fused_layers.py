@@ -1,0 +1,75 @@
+"""Decoder layers of the Llama family as one kernel call each on CPU (`nanovllm_cpu::decoder_layer`,
+kernels/cpu/decoder_layer.cpp), in place of compiling them, where every part of a layer already
+runs on the CPU kernels: bf16 activations with the elementwise kernels on (the caller's to
+know), each linear on a method that says how the kernel calls it (`fused_kernel_args`: the GGUF
+block method and the packed bf16 one), one tensor-parallel rank, and, step by step, the CPU
+attention backend.
+
+The call runs the kernels the eager layer would call, in its order and with its roundings, so
+its output is the eager layer's bit for bit; what it saves is the glue between them. A compiled
+layer still pays Python for every kernel call in its wrapper and for the call into the graph
+(~0.3 ms a layer on two Zen 3 cores, benchmarks/RESULTS.md), about as much as a single-sequence
+decode step spends in the kernels themselves; the fused layer pays one call.
+"""
+
+import torch
+from torch import nn
+
+from nanovllm.attention.base import get_forward_context
+from nanovllm.attention.cpu import CPUBackend
+from nanovllm.models.llama import LlamaDecoderLayer
+
+
+def fuse_decoder_layers(decoder: nn.Module) -> bool:
+    """Replace `decoder.layers` by fused layers if every one of them can be fused; else leave
+    them and return False. Only for a model on the elementwise kernels in bf16."""
+    layers = list(decoder.layers)
+    if not layers or not all(fusable(layer) for layer in layers):
+        return False
+    decoder.layers = nn.ModuleList(FusedDecoderLayer(layer) for layer in layers)
+    return True
+
+
+def fusable(layer: nn.Module) -> bool:
+    if not isinstance(layer, LlamaDecoderLayer):
+        return False
+    attn = layer.self_attn
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attn.qk_norm:
+        norms += [attn.q_norm, attn.k_norm]
+    linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return (all(norm.weight.dtype == torch.bfloat16 and norm.eps == norms[0].eps for norm in norms)
+            and all(hasattr(linear.linear_method, "fused_kernel_args") and linear.tp_group.world_size == 1
+                    for linear in linears)
+            and attn.rotary_emb.cos_sin_cache.dtype == torch.float32)
+
+
+class FusedDecoderLayer(nn.Module):
+    """A LlamaDecoderLayer called as one kernel; the layer itself (its parameters, its cache
+    binding) stays a submodule and runs steps on any other attention backend."""
+
+    def __init__(self, layer: LlamaDecoderLayer):
+        super().__init__()
+        self.layer = layer
+        attn = layer.self_attn
+        linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        self.weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        attn.rotary_emb.cos_sin_cache, attn.q_norm.weight if attn.qk_norm else None,
+                        attn.k_norm.weight if attn.qk_norm else None]
+        kinds, max_rows = [], []
+        for linear in linears:
+            kind, tensors, rows = linear.linear_method.fused_kernel_args(linear)
+            self.weights += [*tensors, linear.bias]
+            kinds.append(kind)
+            max_rows.append(rows)
+        self.settings = [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, *kinds, *max_rows]
+        self.eps = layer.input_layernorm.eps
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor):
+        ctx = get_forward_context()
+        if type(ctx.backend) is not CPUBackend:
+            return self.layer(positions, hidden, residual)
+        attn, layout = self.layer.self_attn.attn, ctx.metadata
+        return torch.ops.nanovllm_cpu.decoder_layer(
+            hidden, residual, positions, self.weights, self.settings, self.eps, attn.scale, attn.k_cache,
+            attn.v_cache, layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens, layout.block_tables)

@@ -1,0 +1,68 @@
+"""Decoder layers as one kernel call (platforms/cpu_fused_layers.py): in bf16 on the SIMD
+kernels, Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) layers, on packed bf16 or GGUF block
+weights, run fused and return the eager layer's output bit for bit, step after step: prefill,
+decode and mixed steps give eager's tokens and log-probabilities exactly."""
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+from nanovllm import LLM, SamplingParams
+from nanovllm.attention.base import BatchLayout, forward_context
+from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.platforms.cpu_compile import LayerGroup
+from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayer
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_simd_kernels(), reason="needs the avx2 or avx512 CPU kernels")
+
+# Prompts of unequal lengths past a block (16), so that steps mix prefill chunks and decodes.
+PROMPTS = [list(range(3, 40)), list(range(100, 105)), [7] * 21 + list(range(200, 230))]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+def _layers(llm: LLM):
+    return list(llm.llm_engine.executor.model.model.layers)
+
+
+def _greedy(llm: LLM):
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [p[t].logprob for p, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+@pytest.mark.parametrize("arch, extra", [("LlamaForCausalLM", {"attention_bias": True}),
+                                         ("Qwen2ForCausalLM", {}), ("Qwen3ForCausalLM", {})])
+@pytest.mark.parametrize("quantization", [None, "q4_0", "q8_0"])
+def test_fused_steps_equal_eager(tmp_path, arch, extra, quantization):
+    path = make_tiny_checkpoint(tmp_path, arch, **extra)
+    settings = dict(dtype="bfloat16", num_kvcache_blocks=32, max_num_batched_tokens=48, quantization=quantization)
+    fused, eager = LLM(str(path), **settings), LLM(str(path), enforce_eager=True, **settings)
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in _layers(fused))
+    assert not any(isinstance(layer, FusedDecoderLayer) for layer in _layers(eager))
+    assert _greedy(fused) == _greedy(eager)
+
+
+def test_a_fused_layer_returns_the_eager_layers_output(tmp_path):
+    """Layer by layer on one prefill chunk, then one decode token after it."""
+    llm = LLM(str(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")), dtype="bfloat16", num_kvcache_blocks=16)
+    runner = llm.llm_engine.executor
+    model = runner.model.model
+    for start, n in ((0, 20), (20, 1)):
+        layout = BatchLayout(query_lens=[n], context_lens=torch.tensor([start + n], dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                             slot_mapping=torch.arange(start, start + n), block_tables=torch.arange(2)[None].int(),
+                             max_query_len=n, max_context_len=start + n)
+        positions = torch.arange(start, start + n)
+        with torch.inference_mode(), forward_context(runner.backend, runner.backend.prepare(layout)):
+            hidden = model.embed_tokens(torch.arange(start + 5, start + 5 + n))
+            residual = torch.zeros_like(hidden)
+            for layer in model.layers:
+                expected = layer.layer(positions, hidden, residual)
+                got = layer(positions, hidden, residual)
+                assert all(torch.equal(e, g) for e, g in zip(expected, got))
+                hidden, residual = expected
+
+
+def test_fp32_layers_stay_compiled(tmp_path):
+    llm = LLM(str(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")), dtype="float32", num_kvcache_blocks=16)
+    assert all(isinstance(layer, LayerGroup) for layer in _layers(llm))
