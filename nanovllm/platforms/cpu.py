@@ -86,10 +86,13 @@ class CPUPlatform(Platform):
         # enforce_eager is the exact reference; tensor parallelism runs eager (collectives
         # inside the graph are not worth a compile on CPU).
         self.compiled = not enforce_eager and tp_group.world_size == 1
-        self.elementwise_kernels = False  # set by prepare_model
+
+    def _on_kernels(self) -> bool:
+        """Whether prepare_model puts the model on the packed and elementwise kernels."""
+        return self.dtype == torch.bfloat16 and cpu_kernels.has_simd_kernels()
 
     def prepare_model(self, model: nn.Module) -> None:
-        if self.dtype != torch.bfloat16 or not cpu_kernels.has_simd_kernels():
+        if not self._on_kernels():
             return
         # Every layer that multiplies a dense bf16 weight (an embedding alone only looks rows up).
         linears = [m for m in model.modules() if type(getattr(m, "linear_method", None)) is UnquantizedLinearMethod
@@ -97,7 +100,6 @@ class CPUPlatform(Platform):
                    and (not isinstance(m, VocabParallelEmbedding) or isinstance(m, ParallelLMHead))]
         CPUPackedBF16LinearMethod.pack_all(linears)
         use_elementwise_kernels(model)
-        self.elementwise_kernels = True
 
     def block_linear_method(self, qtype: str) -> LinearMethod | None:
         # Imported here: the block formats' tables come from gguf-py, which only block weights need.
@@ -121,7 +123,7 @@ class CPUPlatform(Platform):
         # that changes global state (a tensor-parallel executor's restores the thread count)
         # makes Dynamo abort the trace.
         gc.collect()
-        if self.elementwise_kernels and fuse_decoder_layers(model.model):
+        if self._on_kernels() and fuse_decoder_layers(model.model):
             done = "fused the decoder layers (one kernel call each)"
         else:
             compile_decoder_layers(model.model)

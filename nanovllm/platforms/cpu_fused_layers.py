@@ -7,9 +7,9 @@ attention backend.
 
 The call runs the kernels the eager layer would call, in its order and with its roundings, so
 its output is the eager layer's bit for bit; what it saves is the glue between them. A compiled
-layer still pays Python for every kernel call in its wrapper and for the call into the graph
-(~0.3 ms a layer on two Zen 3 cores, benchmarks/RESULTS.md), about as much as a single-sequence
-decode step spends in the kernels themselves; the fused layer pays one call.
+layer still pays Python for every kernel call in its wrapper and for the call into the graph,
+a large share of a single-sequence decode step (benchmarks/RESULTS.md); the fused layer pays
+one call.
 """
 
 import torch

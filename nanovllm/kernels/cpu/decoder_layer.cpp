@@ -21,9 +21,18 @@ namespace {
 using c10::BFloat16;
 using Weights = c10::List<std::optional<at::Tensor>>;
 
-// Four entries of `weights` from `first` (weight, packed, oneDNN copy, bias): a GGUF block
-// weight where `kind` is its GGML type id, else the packed bf16 method's tensors.
-at::Tensor apply_linear(const at::Tensor& x, const Weights& weights, int64_t first, int64_t kind, int64_t max_rows) {
+// The layout of decoder_layer's arguments (platforms/cpu_fused_layers.py builds them). weights:
+// input norm, post-attention norm, RoPE's cos|sin cache, q norm, k norm (the last two None
+// unless Qwen3), then per linear (qkv, o, gate_up, down) its weight, packed copy, oneDNN copy
+// and bias. settings: heads, KV heads, head dim, then each linear's kind (a GGUF block weight's
+// GGML type id, or -1 for the packed bf16 method) and then each one's row threshold.
+enum Linear { kQKV, kOut, kGateUp, kDown, kLinears };
+constexpr int64_t kLinearWeights = 5, kWeightsPerLinear = 4, kLinearSettings = 3;
+constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 2 * kLinears;
+
+at::Tensor apply_linear(Linear which, const at::Tensor& x, const Weights& weights, at::IntArrayRef settings) {
+  const int64_t first = kLinearWeights + kWeightsPerLinear * which;
+  const int64_t kind = settings[kLinearSettings + which], max_rows = settings[kLinearSettings + kLinears + which];
   const at::Tensor weight = weights.get(first).value();
   const std::optional<at::Tensor> packed = weights.get(first + 1), onednn = weights.get(first + 2),
                                   bias = weights.get(first + 3);
@@ -31,41 +40,38 @@ at::Tensor apply_linear(const at::Tensor& x, const Weights& weights, int64_t fir
   return linear(x, weight, packed, bias, max_rows, onednn);
 }
 
-// dst[t, h] = NeoX rotation of src row t's head h by the fp32 cos|sin row of positions[t]:
-// (a, b) -> (a cos - b sin, b cos + a sin), each product rounded on its own as eager's fp32 ops.
-void rotate_heads(const BFloat16* src, int64_t src_stride, BFloat16* dst, int64_t T, int64_t heads, int64_t D,
-                  const at::Tensor& cos_sin, const int64_t* positions) {
+// heads [T, H, D] (each token's heads contiguous: a slice of the qkv rows, or a norm's output)
+// NeoX-rotated by the fp32 cos|sin row of each token's position: (a, b) -> (a cos - b sin,
+// b cos + a sin), each product rounded on its own as eager's fp32 ops round it.
+at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at::Tensor& positions) {
   using namespace simd;
+  const int64_t T = heads.size(0), H = heads.size(1), D = heads.size(2), half = D / 2;
+  TORCH_CHECK(heads.stride(2) == 1 && heads.stride(1) == D, "rotated: each token's heads must be contiguous");
+  at::Tensor out = at::empty({T, H, D}, heads.options());
+  const BFloat16* src = heads.data_ptr<BFloat16>();
+  BFloat16* dst = out.data_ptr<BFloat16>();
   const float* cache = cos_sin.data_ptr<float>();
-  const int64_t half = D / 2, max_position = cos_sin.size(0);
+  const int64_t* position = positions.data_ptr<int64_t>();
+  const int64_t src_stride = heads.stride(0), max_position = cos_sin.size(0);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
-      TORCH_CHECK(positions[t] >= 0 && positions[t] < max_position, "position ", positions[t], " is outside the "
+      TORCH_CHECK(position[t] >= 0 && position[t] < max_position, "position ", position[t], " is outside the "
                   "RoPE cache of ", max_position);
-      const float* cos = cache + positions[t] * D;
+      const float* cos = cache + position[t] * D;
       const float* sin = cos + half;
-      for (int64_t h = 0; h < heads; h++) {
+      for (int64_t h = 0; h < H; h++) {
         const BFloat16* x = src + t * src_stride + h * D;
-        BFloat16* out = dst + (t * heads + h) * D;
+        BFloat16* y = dst + (t * H + h) * D;
         for (int64_t i = 0; i < half; i += 16) {
           const int64_t n = std::min<int64_t>(16, half - i);
           const Vec a = load_bf16(x + i, n), b = load_bf16(x + half + i, n);
           const Vec c = load_first(cos + i, n, 0.0f), s = load_first(sin + i, n, 0.0f);
-          store_bf16(out + i, sub(rounded(mul(a, c)), rounded(mul(b, s))), n);
-          store_bf16(out + half + i, add(rounded(mul(b, c)), rounded(mul(a, s))), n);
+          store_bf16(y + i, sub(rounded(mul(a, c)), rounded(mul(b, s))), n);
+          store_bf16(y + half + i, add(rounded(mul(b, c)), rounded(mul(a, s))), n);
         }
       }
     }
   });
-}
-
-at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at::Tensor& positions) {
-  // heads: [T, H, D], each row of heads contiguous (a slice of the qkv rows, or a norm's output).
-  const int64_t T = heads.size(0), H = heads.size(1), D = heads.size(2);
-  TORCH_CHECK(heads.stride(2) == 1 && heads.stride(1) == D, "rotated: each token's heads must be contiguous");
-  at::Tensor out = at::empty({T, H, D}, heads.options());
-  rotate_heads(heads.data_ptr<BFloat16>(), heads.stride(0), out.data_ptr<BFloat16>(), T, H, D, cos_sin,
-               positions.data_ptr<int64_t>());
   return out;
 }
 
@@ -76,10 +82,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::IntArrayRef settings, double eps, double scale, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
     const at::Tensor& block_tables) {
-  // weights: input norm, post-attention norm, RoPE's cos|sin cache, q norm, k norm (the last two
-  // None unless Qwen3), then four entries a linear for qkv, o, gate_up, down. settings: heads, KV
-  // heads, head dim, then each linear's kind and row threshold (see apply_linear).
-  TORCH_CHECK(weights.size() == 21 && settings.size() == 11, "decoder_layer: 21 weights and 11 settings");
+  TORCH_CHECK(weights.size() == kWeights && int64_t(settings.size()) == kSettings, "decoder_layer: ", kWeights,
+              " weights and ", kSettings, " settings");
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "decoder_layer: bf16 hidden [T, width]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == hidden.size(0), "decoder_layer: int64 positions, one a token");
@@ -89,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
               "decoder_layer: an fp32 [positions, head_dim] cos|sin cache");
 
   auto [normed, summed] = add_rms_norm(hidden, residual, weights.get(0).value(), eps);
-  const at::Tensor qkv = apply_linear(normed, weights, 5, settings[3], settings[7]);
+  const at::Tensor qkv = apply_linear(kQKV, normed, weights, settings);
   at::Tensor q = qkv.slice(1, 0, H * D).view({T, H, D});
   at::Tensor k = qkv.slice(1, H * D, (H + KVH) * D).view({T, KVH, D});
   const at::Tensor v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
@@ -105,10 +109,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor attended = at::empty_like(q);
   paged_attention(attended, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale);
 
-  const at::Tensor projected = apply_linear(attended.view({T, H * D}), weights, 9, settings[4], settings[8]);
+  const at::Tensor projected = apply_linear(kOut, attended.view({T, H * D}), weights, settings);
   auto [mlp_in, stream] = add_rms_norm(projected, summed, weights.get(1).value(), eps);
-  const at::Tensor gated = silu_and_mul(apply_linear(mlp_in, weights, 13, settings[5], settings[9]));
-  return {apply_linear(gated, weights, 17, settings[6], settings[10]), stream};
+  const at::Tensor gated = silu_and_mul(apply_linear(kGateUp, mlp_in, weights, settings));
+  return {apply_linear(kDown, gated, weights, settings), stream};
 }
 
 }  // namespace nanovllm_cpu
