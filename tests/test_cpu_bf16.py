@@ -23,7 +23,7 @@ from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.platforms.cpu import KERNEL_MODULES
 from nanovllm.platforms.cpu_compile import LayerGroup
-from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayer
+from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers
 
 pytestmark = requires_default_model
 
@@ -109,16 +109,19 @@ def test_layers_round_like_eager(engines):
     with torch.inference_mode(), forward_context(runner.backend, runner.backend.prepare(layout)):
         hidden = model.embed_tokens(torch.tensor(prompt))
         residual = torch.zeros_like(hidden)
-        assert all(isinstance(layer, FusedDecoderLayer if fused else LayerGroup) for layer in model.layers)
+        assert ([type(layer) for layer in model.layers] == [FusedDecoderLayers] if fused
+                else all(isinstance(layer, LayerGroup) for layer in model.layers))
         if fused:  # ... on the elementwise kernels, in both modes
             for engine in engines.values():
                 modules = list(engine.llm_engine.executor.model.modules())
                 assert not any(type(m) in KERNEL_MODULES for m in modules)
                 assert any(type(m) in KERNEL_MODULES.values() for m in modules)
-        for layer in model.layers:
-            eager = layer.layer(positions, hidden, residual) if fused else type(layer).forward(layer, positions,
-                                                                                               hidden, residual)
-            out = layer(positions, hidden, residual)
+        # Fused: each eager layer against itself as a run of one fused layer.
+        for layer in (model.layers[0].layers if fused else model.layers):
+            if fused:
+                eager, out = layer(positions, hidden, residual), FusedDecoderLayers([layer])(positions, hidden, residual)
+            else:
+                eager, out = type(layer).forward(layer, positions, hidden, residual), layer(positions, hidden, residual)
             for e, c in zip(eager, out):
                 ulp = 0.0 if fused else 2.0 ** (torch.frexp(e.float().abs().max()).exponent.item() - 8)
                 assert (e.float() - c.float()).abs().max().item() <= ulp

@@ -11,7 +11,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.platforms.cpu_compile import LayerGroup
-from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayer
+from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.has_simd_kernels(), reason="needs the avx2 or avx512 CPU kernels")
 
@@ -37,13 +37,14 @@ def test_fused_steps_equal_eager(tmp_path, arch, extra, quantization):
     path = make_tiny_checkpoint(tmp_path, arch, **extra)
     settings = dict(dtype="bfloat16", num_kvcache_blocks=32, max_num_batched_tokens=48, quantization=quantization)
     fused, eager = LLM(str(path), **settings), LLM(str(path), enforce_eager=True, **settings)
-    assert all(isinstance(layer, FusedDecoderLayer) for layer in _layers(fused))
-    assert not any(isinstance(layer, FusedDecoderLayer) for layer in _layers(eager))
+    assert [type(layer) for layer in _layers(fused)] == [FusedDecoderLayers]
+    assert not any(isinstance(layer, FusedDecoderLayers) for layer in _layers(eager))
     assert _greedy(fused) == _greedy(eager)
 
 
-def test_a_fused_layer_returns_the_eager_layers_output(tmp_path):
-    """Layer by layer on one prefill chunk, then one decode token after it."""
+def test_fused_layers_return_the_eager_layers_output(tmp_path):
+    """Layer by layer (each as a run of one) and all at once, on one prefill chunk, then one
+    decode token after it."""
     llm = LLM(str(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")), dtype="bfloat16", num_kvcache_blocks=16)
     runner = llm.llm_engine.executor
     model = runner.model.model
@@ -56,11 +57,15 @@ def test_a_fused_layer_returns_the_eager_layers_output(tmp_path):
         with torch.inference_mode(), forward_context(runner.backend, runner.backend.prepare(layout)):
             hidden = model.embed_tokens(torch.arange(start + 5, start + 5 + n))
             residual = torch.zeros_like(hidden)
-            for layer in model.layers:
-                expected = layer.layer(positions, hidden, residual)
-                got = layer(positions, hidden, residual)
+            first = hidden, residual
+            (stack,) = model.layers
+            for layer in stack.layers:
+                expected = layer(positions, hidden, residual)
+                got = FusedDecoderLayers([layer])(positions, hidden, residual)
                 assert all(torch.equal(e, g) for e, g in zip(expected, got))
                 hidden, residual = expected
+            # The whole run stores every layer's K and V again: the same values in the same slots.
+            assert all(torch.equal(e, g) for e, g in zip((hidden, residual), stack(positions, *first)))
 
 
 def test_fp32_layers_stay_compiled(tmp_path):

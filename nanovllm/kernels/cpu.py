@@ -22,8 +22,8 @@ through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `l
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
 `gguf_linear` / `gguf_dequantize` (weights in GGUF's block formats),
 `store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise
-`silu_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layer` (a Llama-family layer as one call over
-the others), and `isa`; see cpu/registration.cpp.
+`silu_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layers` (a run of Llama-family layers as one call
+over the others), and `isa`; see cpu/registration.cpp.
 """
 
 import functools
@@ -156,8 +156,8 @@ def _register_fakes() -> None:
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("nanovllm_cpu::decoder_layer")
-    def _(hidden, residual, positions, weights, settings, eps, scale, k_cache, v_cache, slot_mapping, cu_seqlens_q,
+    @torch.library.register_fake("nanovllm_cpu::decoder_layers")
+    def _(hidden, residual, positions, weights, settings, eps, scale, k_caches, v_caches, slot_mapping, cu_seqlens_q,
           context_lens, block_tables):
         return torch.empty_like(hidden), torch.empty_like(hidden)
 

@@ -4,7 +4,7 @@ decoder layers, and memory settings for steps and the KV cache.
 In bf16 on a machine that runs the SIMD kernels (nanovllm/kernels/cpu.py), every dense linear
 layer and the LM head take the packed CPU method, and RMSNorm and the gated SiLU become modules
 that call the elementwise kernels (rounding where the eager layers do); decoder layers of the
-Llama family then run as one kernel call each (cpu_fused_layers) instead of compiled. Elsewhere
+Llama family then run as one kernel call a step (cpu_fused_layers) instead of compiled. Elsewhere
 the plain PyTorch layers run, compiled.
 """
 
@@ -124,7 +124,7 @@ class CPUPlatform(Platform):
         # makes Dynamo abort the trace.
         gc.collect()
         if self._on_kernels() and fuse_decoder_layers(model.model):
-            done = "fused the decoder layers (one kernel call each)"
+            done = "fused the decoder layers (one kernel call a step)"
         else:
             compile_decoder_layers(model.model)
             done = "compiled (or loaded) the decoder layers"

@@ -1,15 +1,15 @@
-"""Decoder layers of the Llama family as one kernel call each on CPU (`nanovllm_cpu::decoder_layer`,
-kernels/cpu/decoder_layer.cpp), in place of compiling them, where every part of a layer already
-runs on the CPU kernels: bf16 activations with the elementwise kernels on (the caller's to
-know), each linear on a method that says how the kernel calls it (`fused_kernel_args`: the GGUF
-block method and the packed bf16 one), one tensor-parallel rank, and, step by step, the CPU
+"""The decoder layers of the Llama family as one kernel call on CPU (`nanovllm_cpu::decoder_layers`,
+kernels/cpu/decoder_layer.cpp), in place of compiling them, where every part of every layer
+already runs on the CPU kernels: bf16 activations with the elementwise kernels on (the caller's
+to know), each linear on a method that says how the kernel calls it (`fused_kernel_args`: the
+GGUF block method and the packed bf16 one), one tensor-parallel rank, and, step by step, the CPU
 attention backend.
 
-The call runs the kernels the eager layer would call, in its order and with its roundings, so
-its output is the eager layer's bit for bit; what it saves is the glue between them. A compiled
-layer still pays Python for every kernel call in its wrapper and for the call into the graph,
-a large share of a single-sequence decode step (benchmarks/RESULTS.md); the fused layer pays
-one call.
+The call runs, layer after layer, the kernels the eager layer would call, in its order and with
+its roundings, so its output is the eager layers' bit for bit; what it saves is the glue between
+them. A compiled layer still pays Python for every kernel call in its wrapper and for the call
+into the graph, a large share of a single-sequence decode step (benchmarks/RESULTS.md); the
+fused layers pay one call a step.
 """
 
 import torch
@@ -21,12 +21,15 @@ from nanovllm.models.llama import LlamaDecoderLayer
 
 
 def fuse_decoder_layers(decoder: nn.Module) -> bool:
-    """Replace `decoder.layers` by fused layers if every one of them can be fused; else leave
-    them and return False. Only for a model on the elementwise kernels in bf16."""
+    """Replace `decoder.layers` by one FusedDecoderLayers if every layer can be fused; else
+    leave them and return False. Only for a model on the elementwise kernels in bf16."""
     layers = list(decoder.layers)
     if not layers or not all(fusable(layer) for layer in layers):
         return False
-    decoder.layers = nn.ModuleList(FusedDecoderLayer(layer) for layer in layers)
+    # The call takes one eps and one attention scale for every layer.
+    if len({(layer.input_layernorm.eps, layer.self_attn.attn.scale) for layer in layers}) != 1:
+        return False
+    decoder.layers = nn.ModuleList([FusedDecoderLayers(layers)])
     return True
 
 
@@ -44,32 +47,45 @@ def fusable(layer: nn.Module) -> bool:
             and attn.rotary_emb.cos_sin_cache.dtype == torch.float32)
 
 
-class FusedDecoderLayer(nn.Module):
-    """A LlamaDecoderLayer called as one kernel; the layer itself (its parameters, its cache
-    binding) stays a submodule and runs steps on any other attention backend."""
+def kernel_args(layer: LlamaDecoderLayer) -> tuple[list, list[int]]:
+    """A layer's share of the call's weights and settings, in the layout decoder_layer.cpp names."""
+    attn = layer.self_attn
+    linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.rotary_emb.cos_sin_cache,
+               attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None]
+    kinds, max_rows = [], []
+    for linear in linears:
+        kind, tensors, rows = linear.linear_method.fused_kernel_args(linear)
+        weights += [*tensors, linear.bias]
+        kinds.append(kind)
+        max_rows.append(rows)
+    return weights, [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, *kinds, *max_rows]
 
-    def __init__(self, layer: LlamaDecoderLayer):
+
+class FusedDecoderLayers(nn.Module):
+    """A run of LlamaDecoderLayers called as one kernel; the layers themselves (their parameters,
+    their cache bindings) stay submodules and run in turn on any other attention backend."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer]):
         super().__init__()
-        self.layer = layer
-        attn = layer.self_attn
-        linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        self.weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        attn.rotary_emb.cos_sin_cache, attn.q_norm.weight if attn.qk_norm else None,
-                        attn.k_norm.weight if attn.qk_norm else None]
-        kinds, max_rows = [], []
-        for linear in linears:
-            kind, tensors, rows = linear.linear_method.fused_kernel_args(linear)
-            self.weights += [*tensors, linear.bias]
-            kinds.append(kind)
-            max_rows.append(rows)
-        self.settings = [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, *kinds, *max_rows]
-        self.eps = layer.input_layernorm.eps
+        self.layers = nn.ModuleList(layers)
+        self.weights, self.settings = [], []
+        for layer in layers:
+            weights, settings = kernel_args(layer)
+            self.weights += weights
+            self.settings += settings
+        self.attentions = [layer.self_attn.attn for layer in layers]
+        self.eps = layers[0].input_layernorm.eps
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor):
         ctx = get_forward_context()
         if type(ctx.backend) is not CPUBackend:
-            return self.layer(positions, hidden, residual)
-        attn, layout = self.layer.self_attn.attn, ctx.metadata
-        return torch.ops.nanovllm_cpu.decoder_layer(
-            hidden, residual, positions, self.weights, self.settings, self.eps, attn.scale, attn.k_cache,
-            attn.v_cache, layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens, layout.block_tables)
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
+            return hidden, residual
+        layout = ctx.metadata
+        # The caches are read at each call: the engine binds them after the layers are fused.
+        return torch.ops.nanovllm_cpu.decoder_layers(
+            hidden, residual, positions, self.weights, self.settings, self.eps, self.attentions[0].scale,
+            [attn.k_cache for attn in self.attentions], [attn.v_cache for attn in self.attentions],
+            layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens, layout.block_tables)

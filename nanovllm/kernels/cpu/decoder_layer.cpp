@@ -1,9 +1,10 @@
-// decoder_layer: one pre-norm decoder layer of the Llama family (Llama, Qwen2's q/k/v bias,
-// Qwen3's per-head q/k norm) in bf16, as one call: the kernels the eager layer calls one by one
-// (norms, linears, the KV store, paged attention, gated SiLU), in the same order on the same
-// tensors, with RoPE here rounding as the eager torch ops do, so the output is eager's bit for
-// bit. A decode step then crosses from Python into C++ once a layer instead of a dozen times,
-// and none of the layer's glue (splits, views, RoPE) runs as Python or Inductor wrapper code.
+// decoder_layers: a run of pre-norm decoder layers of the Llama family (Llama, Qwen2's q/k/v
+// bias, Qwen3's per-head q/k norm) in bf16, as one call: for each layer in turn the kernels the
+// eager layer calls one by one (norms, linears, the KV store, paged attention, gated SiLU), in
+// the same order on the same tensors, with RoPE here rounding as the eager torch ops do, so the
+// output is eager's bit for bit. A decode step then crosses from Python into C++ once for the
+// whole model instead of a dozen times a layer, and none of the layers' glue (splits, views,
+// RoPE) runs as Python or Inductor wrapper code.
 
 #include "ops.h"
 #include "simd.h"
@@ -21,8 +22,8 @@ namespace {
 using c10::BFloat16;
 using Weights = c10::List<std::optional<at::Tensor>>;
 
-// The layout of decoder_layer's arguments (platforms/cpu_fused_layers.py builds them). weights:
-// input norm, post-attention norm, RoPE's cos|sin cache, q norm, k norm (the last two None
+// The layout of each layer's share of decoder_layers' arguments (platforms/cpu_fused_layers.py
+// builds them; the layers' shares follow one another). weights: input norm, post-attention norm, RoPE's cos|sin cache, q norm, k norm (the last two None
 // unless Qwen3), then per linear (qkv, o, gate_up, down) its weight, packed copy, oneDNN copy
 // and bias. settings: heads, KV heads, head dim, then each linear's kind (a GGUF block weight's
 // GGML type id, or -1 for the packed bf16 method) and then each one's row threshold.
@@ -30,12 +31,19 @@ enum Linear { kQKV, kOut, kGateUp, kDown, kLinears };
 constexpr int64_t kLinearWeights = 5, kWeightsPerLinear = 4, kLinearSettings = 3;
 constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 2 * kLinears;
 
-at::Tensor apply_linear(Linear which, const at::Tensor& x, const Weights& weights, at::IntArrayRef settings) {
+// One layer's share of the weights: weight(i) is the layer's i-th in the layout above.
+struct LayerWeights {
+  const Weights& all;
+  int64_t offset;
+  std::optional<at::Tensor> weight(int64_t i) const { return all.get(offset + i); }
+};
+
+at::Tensor apply_linear(Linear which, const at::Tensor& x, const LayerWeights& weights, at::IntArrayRef settings) {
   const int64_t first = kLinearWeights + kWeightsPerLinear * which;
   const int64_t kind = settings[kLinearSettings + which], max_rows = settings[kLinearSettings + kLinears + which];
-  const at::Tensor weight = weights.get(first).value();
-  const std::optional<at::Tensor> packed = weights.get(first + 1), onednn = weights.get(first + 2),
-                                  bias = weights.get(first + 3);
+  const at::Tensor weight = weights.weight(first).value();
+  const std::optional<at::Tensor> packed = weights.weight(first + 1), onednn = weights.weight(first + 2),
+                                  bias = weights.weight(first + 3);
   if (kind >= 0) return gguf_linear(x, weight, kind, bias, max_rows);
   return linear(x, weight, packed, bias, max_rows, onednn);
 }
@@ -75,29 +83,22 @@ at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at:
   return out;
 }
 
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
-    const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions, const Weights& weights,
+    const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions, const LayerWeights& weights,
     at::IntArrayRef settings, double eps, double scale, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
     const at::Tensor& block_tables) {
-  TORCH_CHECK(weights.size() == kWeights && int64_t(settings.size()) == kSettings, "decoder_layer: ", kWeights,
-              " weights and ", kSettings, " settings");
-  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "decoder_layer: bf16 hidden [T, width]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  positions.numel() == hidden.size(0), "decoder_layer: int64 positions, one a token");
   const int64_t H = settings[0], KVH = settings[1], D = settings[2], T = hidden.size(0);
-  const at::Tensor cos_sin = weights.get(2).value();
+  const at::Tensor cos_sin = weights.weight(2).value();
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.size(1) == D,
-              "decoder_layer: an fp32 [positions, head_dim] cos|sin cache");
+              "decoder_layers: an fp32 [positions, head_dim] cos|sin cache");
 
-  auto [normed, summed] = add_rms_norm(hidden, residual, weights.get(0).value(), eps);
+  auto [normed, summed] = add_rms_norm(hidden, residual, weights.weight(0).value(), eps);
   const at::Tensor qkv = apply_linear(kQKV, normed, weights, settings);
   at::Tensor q = qkv.slice(1, 0, H * D).view({T, H, D});
   at::Tensor k = qkv.slice(1, H * D, (H + KVH) * D).view({T, KVH, D});
   const at::Tensor v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
-  const std::optional<at::Tensor> q_norm = weights.get(3), k_norm = weights.get(4);
+  const std::optional<at::Tensor> q_norm = weights.weight(3), k_norm = weights.weight(4);
   if (q_norm.has_value()) {
     q = rms_norm(q, *q_norm, eps);
     k = rms_norm(k, k_norm.value(), eps);
@@ -110,9 +111,34 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   paged_attention(attended, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale);
 
   const at::Tensor projected = apply_linear(kOut, attended.view({T, H * D}), weights, settings);
-  auto [mlp_in, stream] = add_rms_norm(projected, summed, weights.get(1).value(), eps);
+  auto [mlp_in, stream] = add_rms_norm(projected, summed, weights.weight(1).value(), eps);
   const at::Tensor gated = silu_and_mul(apply_linear(kGateUp, mlp_in, weights, settings));
   return {apply_linear(kDown, gated, weights, settings), stream};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions, const Weights& weights,
+    at::IntArrayRef settings, double eps, double scale, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
+    const at::Tensor& block_tables) {
+  const int64_t layers = int64_t(k_caches.size());
+  TORCH_CHECK(layers > 0 && int64_t(v_caches.size()) == layers, "decoder_layers: a K and a V cache a layer");
+  TORCH_CHECK(int64_t(weights.size()) == layers * kWeights && int64_t(settings.size()) == layers * kSettings,
+              "decoder_layers: ", kWeights, " weights and ", kSettings, " settings a layer");
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "decoder_layers: bf16 hidden [T, width]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == hidden.size(0), "decoder_layers: int64 positions, one a token");
+  at::Tensor h = hidden, r = residual;
+  for (int64_t layer = 0; layer < layers; layer++) {
+    // The caches are written in place: these handles share their storage.
+    at::Tensor k_cache = k_caches[layer], v_cache = v_caches[layer];
+    std::tie(h, r) = decoder_layer(h, r, positions, LayerWeights{weights, layer * kWeights},
+                                   settings.slice(layer * kSettings, kSettings), eps, scale, k_cache, v_cache,
+                                   slot_mapping, cu_seqlens_q, context_lens, block_tables);
+  }
+  return {h, r};
 }
 
 }  // namespace nanovllm_cpu

@@ -43,10 +43,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight, double eps);
 
 // decoder_layer.cpp
-std::tuple<at::Tensor, at::Tensor> decoder_layer(
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
     const c10::List<std::optional<at::Tensor>>& weights, at::IntArrayRef settings, double eps, double scale,
-    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q,
     const at::Tensor& context_lens, const at::Tensor& block_tables);
 
 }  // namespace nanovllm_cpu

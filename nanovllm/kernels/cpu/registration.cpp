@@ -2,7 +2,7 @@
 // nanovllm_cpu) and built on first use by nanovllm/kernels/cpu.py. One file per op family:
 // linear.cpp (the packed bf16 linear, oneDNN's packed weights), quantized.cpp (GGUF's block
 // formats), attention.cpp (the paged KV cache: store_kv, paged_attention), sampling.cpp,
-// elementwise.cpp (gated SiLU, RMSNorm), decoder_layer.cpp (a Llama-family layer as one call
+// elementwise.cpp (gated SiLU, RMSNorm), decoder_layer.cpp (runs of Llama-family layers as one call
 // over the others); the SIMD layer they share, which alone knows the
 // instruction set, is simd.h.
 
@@ -28,9 +28,9 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("decoder_layer(Tensor hidden, Tensor residual, Tensor positions, Tensor?[] weights, int[] settings, "
-        "float eps, float scale, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor cu_seqlens_q, "
-        "Tensor context_lens, Tensor block_tables) -> (Tensor, Tensor)");
+  m.def("decoder_layers(Tensor hidden, Tensor residual, Tensor positions, Tensor?[] weights, int[] settings, "
+        "float eps, float scale, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
+        "Tensor cu_seqlens_q, Tensor context_lens, Tensor block_tables) -> (Tensor, Tensor)");
   m.def("isa() -> str", [] { return std::string(nanovllm_cpu::simd::kIsa); });
 }
 
@@ -48,5 +48,5 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("silu_and_mul", &nanovllm_cpu::silu_and_mul);
   m.impl("rms_norm", &nanovllm_cpu::rms_norm);
   m.impl("add_rms_norm", &nanovllm_cpu::add_rms_norm);
-  m.impl("decoder_layer", &nanovllm_cpu::decoder_layer);
+  m.impl("decoder_layers", &nanovllm_cpu::decoder_layers);
 }
