@@ -40,6 +40,9 @@ inline float half_at(const uint8_t* p) {
 // the scale one for the chunk or, where kScalePer16, one per 16 values (lanes 0-3 and 4-7 of the
 // Vec8, as dot_halves leaves the sums), and the offset 0 where not kOffset. kType is the GGML type
 // id. The layouts are ggml's (gguf-py's quants.py reads them the same way).
+// A block's fp16 scales are read four bytes at a time (two_halves_at: one load and one
+// conversion, not one of each per value); where a block has one, the other half is its first
+// quantized bytes, unused.
 
 struct Q8_0 {
   static constexpr int kType = 8, kValues = 32, kBytes = 34;
@@ -47,7 +50,7 @@ struct Q8_0 {
   static constexpr bool kOffset = false;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
-    visit(c, simd::byte_words(b + 2), simd::set1_8(half_at(b)), 0.0f);
+    visit(c, simd::byte_words(b + 2), simd::set1_8(simd::two_halves_at(b).first), 0.0f);
   }
 };
 
@@ -57,7 +60,7 @@ struct Q4_0 {
   static constexpr bool kOffset = true;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
-    const float d = half_at(b);
+    const float d = simd::two_halves_at(b).first;
     visit(c, simd::nibble_words(b + 2), simd::set1_8(d), -8.0f * d);
   }
 };
@@ -68,7 +71,8 @@ struct Q4_1 {
   static constexpr bool kOffset = true;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
-    visit(c, simd::nibble_words(b + 4), simd::set1_8(half_at(b)), half_at(b + 2));
+    const auto [d, m] = simd::two_halves_at(b);
+    visit(c, simd::nibble_words(b + 4), simd::set1_8(d), m);
   }
 };
 
@@ -84,7 +88,7 @@ struct Q4_K {
   }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
-    const float d = half_at(b), dmin = half_at(b + 2);
+    const auto [d, dmin] = simd::two_halves_at(b);
     const uint8_t* scales = b + 4;
     const uint8_t* qs = b + 16;
     for (int j = 0; j < 4; j++) {

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
     defined(__AVX512VNNI__)
@@ -457,6 +458,13 @@ inline float reduce_add8(Vec8 x) {
   return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+// The fp16 values at p and p + 2, converted from one 4-byte load.
+inline std::pair<float, float> two_halves_at(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+  return {_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v))};
+}
 
 #else
 
@@ -542,6 +550,11 @@ inline float reduce_add8(Vec8 x) {
   return s;
 }
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+inline std::pair<float, float> two_halves_at(const uint8_t* p) {
+  uint16_t h[2];
+  std::memcpy(h, p, 4);
+  return {half_to_float(h[0]), half_to_float(h[1])};
+}
 
 #endif
 
