@@ -202,12 +202,10 @@ def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) ->
     return padded.contiguous() if out is None else out.copy_(padded)
 
 
-def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in private memory advised for transparent huge pages; pages
-    are still only allocated when first written.
-
-    For data the kernels read a few KB at a time from all over (the KV cache: a layer's share of
-    a decode step spans thousands of 4 KB pages, more than the TLB holds) or stream through (the
+def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
+    """A CPU tensor in fresh private memory: a page is only allocated (and zeroed by the OS,
+    so it never holds another allocation's garbage) when first written. With `huge_pages` the
+    memory is advised for transparent huge pages: for data the kernels stream through (the
     packed weights: hardware prefetchers stop at page boundaries), 2 MB pages save a page walk
     every 4 KB (figures in benchmarks/RESULTS.md).
     """
@@ -215,7 +213,7 @@ def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if nbytes == 0:  # mmap cannot map nothing
         return torch.empty(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the buffer alive
 

@@ -108,8 +108,10 @@ class CPUPlatform(Platform):
         return CPUGGUFLinearMethod(qtype, self.dtype) if cpu_kernels.available() else None
 
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # Uninitialised costs nothing until a page is first written.
-        return cpu_kernels.empty_in_huge_pages(shape, dtype)
+        # Costs nothing until a page is first written; in ordinary pages, as a step writes a
+        # few KB of every layer's and head's region: 2 MB pages zeroed 2 MB for each at the
+        # first token (~0.6 s of start-up) and decoded no faster (RESULTS.md).
+        return cpu_kernels.empty_mapped(shape, dtype, huge_pages=False)
 
     def compile(self, model: nn.Module, warmup: Callable[[], None]) -> float:
         """Fuse the decoder layers where every part runs on the kernels (see cpu_fused_layers),

@@ -34,7 +34,7 @@ class CPUPackedBF16LinearMethod(UnquantizedLinearMethod):
         if not layers:
             return
         shapes = [cpu_kernels.packed_shape(layer.weight) for layer in layers]
-        arena = cpu_kernels.empty_in_huge_pages((sum(math.prod(s) for s in shapes),), torch.bfloat16)
+        arena = cpu_kernels.empty_mapped((sum(math.prod(s) for s in shapes),), torch.bfloat16, huge_pages=True)
         with_onednn = torch.backends.mkldnn.is_available()
         method, offset = cls(), 0
         for layer, shape in zip(layers, shapes):
