@@ -110,7 +110,7 @@ class CPUPlatform(Platform):
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # Costs nothing until a page is first written; in ordinary pages, as a step writes a
         # few KB of every layer's and head's region: 2 MB pages zeroed 2 MB for each at the
-        # first token (~0.6 s of start-up) and decoded no faster (RESULTS.md).
+        # first token and decoded no faster (figures in benchmarks/RESULTS.md).
         return cpu_kernels.empty_mapped(shape, dtype, huge_pages=False)
 
     def compile(self, model: nn.Module, warmup: Callable[[], None]) -> float:
@@ -121,13 +121,13 @@ class CPUPlatform(Platform):
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
-        # Earlier engines' garbage is collected now rather than mid-trace, where a finalizer
-        # that changes global state (a tensor-parallel executor's restores the thread count)
-        # makes Dynamo abort the trace.
-        gc.collect()
         if self._on_kernels() and fuse_decoder_layers(model.model):
             done = "fused the decoder layers (one kernel call a step)"
         else:
+            # Earlier engines' garbage is collected now rather than mid-trace, where a finalizer
+            # that changes global state (a tensor-parallel executor's restores the thread count)
+            # makes Dynamo abort the trace; fused layers trace nothing.
+            gc.collect()
             compile_decoder_layers(model.model)
             done = "compiled (or loaded) the decoder layers"
         warmup()

@@ -23,10 +23,11 @@ using c10::BFloat16;
 using Weights = c10::List<std::optional<at::Tensor>>;
 
 // The layout of each layer's share of decoder_layers' arguments (platforms/cpu_fused_layers.py
-// builds them; the layers' shares follow one another). weights: input norm, post-attention norm, RoPE's cos|sin cache, q norm, k norm (the last two None
-// unless Qwen3), then per linear (qkv, o, gate_up, down) its weight, packed copy, oneDNN copy
-// and bias. settings: heads, KV heads, head dim, then each linear's kind (a GGUF block weight's
-// GGML type id, or -1 for the packed bf16 method) and then each one's row threshold.
+// builds them; the layers' shares follow one another). weights: input norm, post-attention
+// norm, RoPE's cos|sin cache, q norm, k norm (the last two None unless Qwen3), then per linear
+// (qkv, o, gate_up, down) its weight, packed copy, oneDNN copy and bias. settings: heads, KV
+// heads, head dim, then each linear's kind (a GGUF block weight's GGML type id, or -1 for the
+// packed bf16 method) and then each one's row threshold.
 enum Linear { kQKV, kOut, kGateUp, kDown, kLinears };
 constexpr int64_t kLinearWeights = 5, kWeightsPerLinear = 4, kLinearSettings = 3;
 constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 2 * kLinears;
