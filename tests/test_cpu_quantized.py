@@ -5,7 +5,9 @@ Dequantization: bit-exact against gguf-py's reference for every block format the
 The integer path (few rows, x quantized to 16-bit blocks): against the fp32 product of the
 dequantized weight and x, for rows in one pass, in passes split evenly, bf16 and fp32 x, with a
 bias. The dequantizing path (many rows): against the fp32 product, over several panels. Real
-tensors of each type of the default file too.
+tensors of each type of the default file too. The Lanes layouts (Q8_0, Q4_0 and Q4_1 repacked at
+load): dequantized bit for bit as the file's blocks, and both paths the blocks' own results, for
+rows of whole groups of 256 values, with a tail of blocks, and shorter than a group.
 """
 
 import numpy as np
@@ -77,6 +79,47 @@ def test_dequantizing_path_is_the_fp32_product(qtype, dtype):
         assert ((y.double() - expected).abs() <= bound).all()
     else:
         torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+LANES_TYPE_BASE = 1000
+
+
+@pytest.mark.parametrize("qtype", LANES_FORMATS)
+@pytest.mark.parametrize("in_features", [64, 256, 576, 1536])
+def test_lanes_layout_is_the_blocks(qtype, in_features):
+    n = 37
+    blocks = random_blocks(qtype, n, in_features)
+    lanes = torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features)
+    kind = LANES_TYPE_BASE + BLOCK_TYPES[qtype]
+    assert lanes.shape == blocks.shape and lanes.dtype == torch.uint8
+    assert torch.equal(torch.ops.nanovllm_cpu.gguf_dequantize(lanes, kind, in_features),
+                       reference_dequantize(blocks, qtype, in_features))
+    for m in (1, 2, 5, 10, 40):  # the integer path in one pass, in two; the dequantizing GEMM
+        x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
+        got = torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 10)
+        expected = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 10)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_lanes_layout_is_for_three_formats_and_the_method_repacks_once():
+    from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
+
+    with pytest.raises(RuntimeError, match="no lanes layout"):
+        torch.ops.nanovllm_cpu.gguf_repack(random_blocks("Q6_K", 2, 256), BLOCK_TYPES["Q6_K"], 256)
+    blocks = random_blocks("Q4_1", 8, 576)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(blocks.clone(), requires_grad=False)
+    method = CPUGGUFLinearMethod("Q4_1", torch.float32)
+    method.process_weights_after_loading(layer)
+    method.process_weights_after_loading(layer)  # a tied layer's turn: already repacked
+    assert method.kernel_type == LANES_TYPE_BASE + BLOCK_TYPES["Q4_1"]
+    assert torch.equal(layer.weight, torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES["Q4_1"], 576))
+    x = torch.randn(3, 576)
+    torch.testing.assert_close(method.apply(layer, x, None),
+                               torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES["Q4_1"], None, 10))
+    ids = torch.tensor([5, 0, 7])
+    torch.testing.assert_close(method.embed(layer, ids), reference_dequantize(blocks, "Q4_1", 576)[ids])
 
 
 def test_a_row_stride_wider_than_the_blocks_and_bad_input():

@@ -24,6 +24,8 @@ void onednn_release(const at::Tensor& handle);
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                        const std::optional<at::Tensor>& bias, int64_t max_integer_rows);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features);
+// Q8_0, Q4_0 or Q4_1 rows in their Lanes layout (type 1000 + theirs), the same bytes a row.
+at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_features);
 
 // attention.cpp
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,

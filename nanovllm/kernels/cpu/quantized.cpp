@@ -48,6 +48,10 @@ struct Q8_0 {
   static constexpr int kType = 8, kValues = 32, kBytes = 34;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = false;
+  static constexpr bool kWholeRow = false;
+  // For the Lanes layout: a chunk's scale bytes, and a group's quad j from its values.
+  static constexpr int kScaleBytes = 2;
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::byte_quad(values + 64 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     visit(c, simd::byte_words(b + 2), simd::set1_8(simd::two_halves_at(b).first), 0.0f);
@@ -58,6 +62,9 @@ struct Q4_0 {
   static constexpr int kType = 2, kValues = 32, kBytes = 18;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
+  static constexpr int kScaleBytes = 2;
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = simd::two_halves_at(b).first;
@@ -69,6 +76,9 @@ struct Q4_1 {
   static constexpr int kType = 3, kValues = 32, kBytes = 20;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
+  static constexpr int kScaleBytes = 4;  // the scale, then the minimum
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const auto [d, m] = simd::two_halves_at(b);
@@ -82,6 +92,7 @@ struct Q4_K {
   static constexpr int kType = 12, kValues = 256, kBytes = 144;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
   static std::pair<int, int> scale_min(const uint8_t* s, int j) {
     if (j < 4) return {s[j] & 63, s[j + 4] & 63};
     return {(s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)};
@@ -106,6 +117,7 @@ struct Q6_K {
   static constexpr int kType = 14, kValues = 256, kBytes = 210;
   static constexpr bool kScalePer16 = true;
   static constexpr bool kOffset = false;
+  static constexpr bool kWholeRow = false;
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = half_at(b + 208);
@@ -127,9 +139,80 @@ struct Q6_K {
   }
 };
 
+// Q8_0, Q4_0 or Q4_1 repacked at load (repack_lanes) for the decode kernel, in the same bytes a
+// chunk: each group of eight chunks (256 values) as its eight fp16 scales (Q4_1's eight minimums
+// after them), then its values as four quads (simd.h: lane l of every vector is chunk l's), so
+// that a group's integer sums come out as one vector of its chunks and meet their scales in one
+// multiply-add; the row's last K % 256 values stay the base format's blocks. Not GGML types: the
+// ids (1000 + the base's) are this project's, and layers/quantization/cpu_gguf.py names them too.
+template <class B>
+struct Lanes {
+  using Base = B;
+  static constexpr int kType = 1000 + Base::kType, kValues = 32, kBytes = Base::kBytes;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = Base::kOffset;
+  static constexpr bool kWholeRow = true;
+  static constexpr bool kMins = Base::kScaleBytes == 4;
+  static constexpr int kGroupBytes = 8 * kBytes, kHeaderBytes = 8 * Base::kScaleBytes;
+  // The offset of chunk c of a group with scale d: Q4_1's minimum, Q4_0's -8 d (its nibbles
+  // are unsigned), none for Q8_0.
+  static float offset(const uint8_t* group, int c, float d) {
+    if constexpr (kMins) return half_at(group + 16 + 2 * c);
+    return kOffset ? -8.0f * d : 0.0f;
+  }
+  template <class Visit>
+  static void row_chunks(const uint8_t* row, int64_t K, Visit&& visit) {
+    const int64_t groups = K / 256;
+    for (int64_t g = 0; g < groups; g++) {
+      const uint8_t* group = row + g * kGroupBytes;
+      simd::Quad quads[4];
+      for (int j = 0; j < 4; j++) quads[j] = Base::quad(group + kHeaderBytes, j);
+      Words chunks[8];
+      simd::quads_to_chunks(quads, chunks);
+      for (int c = 0; c < 8; c++) {
+        const float d = half_at(group + 2 * c);
+        visit(8 * g + c, chunks[c], simd::set1_8(d), offset(group, c, d));
+      }
+    }
+    for (int64_t c = 8 * groups; c < K / 32; c++) Base::chunks(row + c * kBytes, c, visit);
+  }
+};
+
+// A row of K values of the base format in its Lanes layout.
+template <class Base>
+void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
+  using F = Lanes<Base>;
+  const int64_t groups = K / 256;
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* blocks = src + g * F::kGroupBytes;
+    uint8_t* group = dst + g * F::kGroupBytes;
+    uint8_t* values = group + F::kHeaderBytes;
+    std::memset(values, 0, F::kGroupBytes - F::kHeaderBytes);
+    for (int c = 0; c < 8; c++) {
+      std::memcpy(group + 2 * c, blocks + c * F::kBytes, 2);
+      if constexpr (F::kMins) std::memcpy(group + 16 + 2 * c, blocks + c * F::kBytes + 2, 2);
+    }
+    for (int r = 0; r < 16; r++)  // vector r, word i: chunk i / 2, value 2r + i % 2
+      for (int i = 0; i < 16; i++) {
+        const uint8_t* block = blocks + (i / 2) * F::kBytes + Base::kScaleBytes;
+        const int v = 2 * r + i % 2;
+        if constexpr (std::is_same_v<Base, Q8_0>) {
+          values[16 * r + i] = block[v];
+        } else {  // a block's byte j holds value j (low nibble) and 16 + j; a quad's word, four vectors
+          const int q = v < 16 ? block[v] & 0x0f : block[v - 16] >> 4, k = r % 4;
+          values[32 * (r / 4) + 2 * i + k / 2] |= uint8_t(q << (4 * (k % 2)));
+        }
+      }
+  }
+  std::memcpy(dst + groups * F::kGroupBytes, src + groups * F::kGroupBytes, (K / 32 - 8 * groups) * F::kBytes);
+}
+
 template <class F, class Visit>
 inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
-  for (int64_t b = 0; b < K / F::kValues; b++) F::chunks(row + b * F::kBytes, b * (F::kValues / 32), visit);
+  if constexpr (F::kWholeRow)
+    F::row_chunks(row, K, visit);
+  else
+    for (int64_t b = 0; b < K / F::kValues; b++) F::chunks(row + b * F::kBytes, b * (F::kValues / 32), visit);
 }
 
 // Rows of x quantized to blocks of 32 16-bit values (|q| <= 32767) with the block's fp32 scale and
@@ -140,9 +223,12 @@ struct QuantizedRows {
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
 
+  // With `lanes`, each row's groups of eight chunks are laid out as the Lanes formats' quads
+  // (value j of a group's chunk l in vector j / 2, word 2l + j % 2); the last K % 256 values in order.
   template <typename T>
-  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K)
+  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, bool lanes)
       : chunks(K / 32), q(M * K), scale(M * chunks), sum(M * chunks) {
+    const int64_t grouped = lanes ? K / 256 * 8 : 0;  // chunks a row in groups
     at::parallel_for(0, M * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t m = i / chunks, c = i % chunks;
@@ -154,13 +240,19 @@ struct QuantizedRows {
         }
         const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
         int16_t* dst = q.data() + m * K + 32 * c;
+        int16_t* group = dst - 32 * (c % 8);
         int total = 0;
-        for (int j = 0; j < 32; j++) total += dst[j] = int16_t(std::nearbyint(v[j] * inv));
+        for (int j = 0; j < 32; j++) {
+          const int16_t value = int16_t(std::nearbyint(v[j] * inv));
+          (c < grouped ? group[16 * (j / 2) + 2 * (c % 8) + j % 2] : dst[j]) = value;
+          total += value;
+        }
         scale[i] = d;
         sum[i] = d * float(total);
       }
     });
   }
+  // Chunk c of row m; with lanes, c's group where c is in one.
   const int16_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
 };
 
@@ -240,6 +332,60 @@ void dot_rows(const uint8_t* w, int64_t w_stride, int64_t K, const QuantizedRows
     }
 }
 
+// out[r * P + m] = weight row r . x row m0 + m, for `rows` consecutive rows of a Lanes format and
+// P rows of x quantized in lanes: a group of eight chunks is four quads' multiply-adds into one
+// Sums a row of x, whose lanes are the chunks, then one multiply-add with the chunks' scales (and
+// one with their offsets); the row's tail chunks go one by one, as dot_rows takes them. Rows are
+// read one after another: one stream for the hardware prefetcher.
+// Bytes ahead of a group that lanes_dot_rows prefetches: the hardware prefetcher alone leaves one
+// thread's stream from memory short of the bandwidth (benchmarks/RESULTS.md).
+constexpr int kPrefetchAhead = 2048;
+
+template <class F, int P>
+void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K, const QuantizedRows& x,
+                    int64_t m0, float* out) {
+  using Base = typename F::Base;
+  const int64_t groups = K / 256, C = K / 32;
+  for (int64_t r = 0; r < rows; r++) {
+    const uint8_t* row = w + r * w_stride;
+    Vec8 acc[P], offsets[P];
+    float tail_offsets[P] = {};
+    for (int m = 0; m < P; m++) acc[m] = offsets[m] = simd::zero8();
+    for (int64_t g = 0; g < groups; g++) {
+      const uint8_t* group = row + g * F::kGroupBytes;
+      for (int line = 0; line < F::kGroupBytes; line += 64) simd::prefetch(group + kPrefetchAhead + line);
+      simd::Sums sums[P];
+      for (int m = 0; m < P; m++) sums[m] = simd::zero_sums();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) {
+        const simd::Quad quad = Base::quad(group + F::kHeaderBytes, j);
+#pragma GCC unroll 8
+        for (int m = 0; m < P; m++) sums[m] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, sums[m]);
+      }
+      const Vec8 d = simd::halves_at(group);
+#pragma GCC unroll 8
+      for (int m = 0; m < P; m++) {
+        const int64_t xc = (m0 + m) * C + 8 * g;
+        acc[m] = simd::fmadd8(simd::to_float(sums[m]), simd::mul8(d, simd::load8(&x.scale[xc])), acc[m]);
+        if constexpr (F::kMins)
+          offsets[m] = simd::fmadd8(simd::halves_at(group + 16), simd::load8(&x.sum[xc]), offsets[m]);
+        else if constexpr (F::kOffset)
+          offsets[m] = simd::fmadd8(simd::mul8(d, simd::set1_8(-8.0f)), simd::load8(&x.sum[xc]), offsets[m]);
+      }
+    }
+    for (int64_t c = 8 * groups; c < C; c++)
+      Base::chunks(row + c * F::kBytes, c, [&](int64_t, Words q, Vec8 scale, float offset) {
+        for (int m = 0; m < P; m++) {
+          const int64_t xc = (m0 + m) * C + c;
+          const simd::Sums dot = simd::dot(q, simd::load_words(x.values(m0 + m, c)));
+          acc[m] = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc[m]);
+          tail_offsets[m] += offset * x.sum[xc];
+        }
+      });
+    for (int m = 0; m < P; m++) out[r * P + m] = simd::reduce_add8(simd::add8(acc[m], offsets[m])) + tail_offsets[m];
+  }
+}
+
 // Rows of x per pass over a weight row: the accumulators with a weight chunk and its scale fit
 // the sixteen ymm registers.
 constexpr int kMaxPass = 8;
@@ -251,35 +397,58 @@ template <class F, int... Ps>
 constexpr auto make_dot_table(std::integer_sequence<int, Ps...>) {
   return std::array<DotRowsFn, sizeof...(Ps)>{&dot_rows<F, Ps + 1>...};
 }
+using LanesDotRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t, float*);
+template <class F, int... Ps>
+constexpr auto make_lanes_table(std::integer_sequence<int, Ps...>) {
+  return std::array<LanesDotRowsFn, sizeof...(Ps)>{&lanes_dot_rows<F, Ps + 1>...};
+}
 
 template <class F, typename T>
 void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_stride, const float* bias, T* y,
                     int64_t M, int64_t N, int64_t K) {
-  static constexpr auto table = make_dot_table<F>(std::make_integer_sequence<int, kMaxPass>{});
-  const QuantizedRows xq(x, x_stride, M, K);
+  const QuantizedRows xq(x, x_stride, M, K, F::kWholeRow);
   const int64_t passes = (M + kMaxPass - 1) / kMaxPass;
   // ~16 KB of weights a task at the least: a parallel region costs a few us.
   const int64_t grain = std::max<int64_t>(1, 16384 / (K / F::kValues * F::kBytes));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    float out[std::max(kMaxPass, kRowsPerCall)];
-    const auto store = [&](int64_t m, int64_t n, float value) {
-      y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
-    };
-    int64_t n = begin;
-    if (M == 1)  // a decode: weight rows four a call; the last few go one by one below
-      for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
-        dot_rows<F, 1, kRowsPerCall>(w + n * w_stride, w_stride, K, xq, 0, out);
-        for (int r = 0; r < kRowsPerCall; r++) store(0, n + r, out[r]);
+  const auto store = [&](int64_t m, int64_t n, float value) {
+    y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
+  };
+  if constexpr (F::kWholeRow) {
+    static constexpr auto table = make_lanes_table<F>(std::make_integer_sequence<int, kMaxPass>{});
+    constexpr int64_t kRun = 32;  // weight rows a call
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      float out[kRun * kMaxPass];
+      for (int64_t n = begin; n < end; n += kRun) {
+        const int64_t run = std::min(kRun, end - n);
+        for (int64_t i = 0, m0 = 0; i < passes; i++) {
+          const int64_t rows = (M - m0) / (passes - i);
+          table[rows - 1](w + n * w_stride, w_stride, run, K, xq, m0, out);
+          for (int64_t r = 0; r < run; r++)
+            for (int64_t m = 0; m < rows; m++) store(m0 + m, n + r, out[r * rows + m]);
+          m0 += rows;
+        }
       }
-    for (; n < end; n++) {
-      for (int64_t i = 0, m0 = 0; i < passes; i++) {
-        const int64_t rows = (M - m0) / (passes - i);
-        table[rows - 1](w + n * w_stride, w_stride, K, xq, m0, out);
-        for (int64_t m = 0; m < rows; m++) store(m0 + m, n, out[m]);
-        m0 += rows;
+    });
+  } else {
+    static constexpr auto table = make_dot_table<F>(std::make_integer_sequence<int, kMaxPass>{});
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      float out[std::max(kMaxPass, kRowsPerCall)];
+      int64_t n = begin;
+      if (M == 1)  // a decode: weight rows four a call; the last few go one by one below
+        for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
+          dot_rows<F, 1, kRowsPerCall>(w + n * w_stride, w_stride, K, xq, 0, out);
+          for (int r = 0; r < kRowsPerCall; r++) store(0, n + r, out[r]);
+        }
+      for (; n < end; n++) {
+        for (int64_t i = 0, m0 = 0; i < passes; i++) {
+          const int64_t rows = (M - m0) / (passes - i);
+          table[rows - 1](w + n * w_stride, w_stride, K, xq, m0, out);
+          for (int64_t m = 0; m < rows; m++) store(m0 + m, n, out[m]);
+          m0 += rows;
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 template <class F>
@@ -378,6 +547,9 @@ void with_format(int64_t type, Body&& body) {
     case Q4_1::kType: return body(Q4_1{});
     case Q4_K::kType: return body(Q4_K{});
     case Q6_K::kType: return body(Q6_K{});
+    case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
+    case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
+    case Lanes<Q4_1>::kType: return body(Lanes<Q4_1>{});
   }
   TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), "
               "Q6_K (14)");
@@ -437,6 +609,29 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_fe
     dequantize_rows<F>(blocks.data_ptr<uint8_t>(), blocks.stride(0), blocks.size(0), in_features,
                        out.data_ptr<float>());
   });
+  return out;
+}
+
+at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_features) {
+  at::Tensor out;
+  const auto repack = [&](auto format) {
+    using Base = decltype(format);
+    check_blocks<Base>(blocks, in_features);
+    const int64_t row_bytes = in_features / 32 * Base::kBytes;
+    out = at::empty({blocks.size(0), row_bytes}, blocks.options());
+    const uint8_t* src = blocks.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    at::parallel_for(0, blocks.size(0), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; n++)
+        repack_lanes<Base>(src + n * blocks.stride(0), in_features, dst + n * row_bytes);
+    });
+  };
+  switch (type) {
+    case Q8_0::kType: repack(Q8_0{}); break;
+    case Q4_0::kType: repack(Q4_0{}); break;
+    case Q4_1::kType: repack(Q4_1{}); break;
+    default: TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3) and Q8_0 (8) have");
+  }
   return out;
 }
 

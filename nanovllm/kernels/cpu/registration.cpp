@@ -20,6 +20,7 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_integer_rows) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
+  m.def("gguf_repack(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor context_lens, Tensor block_tables, float scale) -> ()");
@@ -41,6 +42,7 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("linear_packed", &nanovllm_cpu::linear_packed);
   m.impl("gguf_linear", &nanovllm_cpu::gguf_linear);
   m.impl("gguf_dequantize", &nanovllm_cpu::gguf_dequantize);
+  m.impl("gguf_repack", &nanovllm_cpu::gguf_repack);
   m.impl("store_kv", &nanovllm_cpu::store_kv);
   m.impl("paged_attention", &nanovllm_cpu::paged_attention);
   m.impl("sample_rows", &nanovllm_cpu::sample_rows);

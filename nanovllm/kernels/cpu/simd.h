@@ -433,6 +433,74 @@ inline Sums dot_halves(Words w, Words x) {
   const __m256i sums = _mm256_hadd_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
   return {_mm256_permute4x64_epi64(sums, 0xd8)};
 }
+// A group of eight chunks in lanes (the Lanes formats' values): sixteen vectors of 16 words, vector
+// r holding values 2r and 2r + 1 of chunk l in words 2l and 2l + 1, so that a madd's lane l sums
+// chunk l's products only and a group's eight sums stay in the lanes of one Sums. A Quad is
+// four consecutive vectors, decoded from one load.
+struct Quad {
+  __m256i v[4];
+};
+// 32 bytes whose 16-bit words carry the quad's four vectors in their four nibbles (vector k in
+// bits 4k to 4k + 3).
+inline Quad nibble_quad(const uint8_t* p) {
+  const __m256i a = _mm256_loadu_si256((const __m256i*)p), low = _mm256_set1_epi16(0x0f);
+  return {{_mm256_and_si256(a, low), _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+           _mm256_and_si256(_mm256_srli_epi16(a, 8), low), _mm256_srli_epi16(a, 12)}};
+}
+// 64 signed bytes, the quad's vectors one after another.
+inline Quad byte_quad(const uint8_t* p) {
+  Quad q;
+  for (int k = 0; k < 4; k++) q.v[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p + k));
+  return q;
+}
+// s plus the quad's products with its 64 words of x (laid out as the quad is).
+#if defined(NANOVLLM_SIMD_AVX512)
+inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
+  for (int k = 0; k < 4; k++) s.v = _mm256_dpwssd_epi32(s.v, q.v[k], _mm256_loadu_si256((const __m256i*)x + k));
+  return s;
+}
+#else
+inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
+  const __m256i* xv = (const __m256i*)x;
+  const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(q.v[0], _mm256_loadu_si256(xv)),
+                                     _mm256_madd_epi16(q.v[1], _mm256_loadu_si256(xv + 1)));
+  const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(q.v[2], _mm256_loadu_si256(xv + 2)),
+                                     _mm256_madd_epi16(q.v[3], _mm256_loadu_si256(xv + 3)));
+  return {_mm256_add_epi32(s.v, _mm256_add_epi32(a, b))};
+}
+#endif
+// Eight rows of eight 32-bit lanes transposed.
+inline void transpose8(const __m256i* in, __m256i* out) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; i++) {
+    const __m256 a = _mm256_castsi256_ps(in[2 * i]), b = _mm256_castsi256_ps(in[2 * i + 1]);
+    t[2 * i] = _mm256_unpacklo_ps(a, b);
+    t[2 * i + 1] = _mm256_unpackhi_ps(a, b);
+  }
+  for (int h = 0; h < 2; h++) {  // rows 4h to 4h + 3: lane pairs of columns c and c + 4
+    const __m256 *lo = t + 4 * h, *hi = t + 4 * h + 2;
+    u[4 * h] = _mm256_shuffle_ps(lo[0], hi[0], 0x44);
+    u[4 * h + 1] = _mm256_shuffle_ps(lo[0], hi[0], 0xee);
+    u[4 * h + 2] = _mm256_shuffle_ps(lo[1], hi[1], 0x44);
+    u[4 * h + 3] = _mm256_shuffle_ps(lo[1], hi[1], 0xee);
+  }
+  for (int c = 0; c < 4; c++) {
+    out[c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+    out[c + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+  }
+}
+// A group's four quads back in chunk order: chunk c's 32 values as Words (vector r's lane c is
+// its values 2r and 2r + 1, so the chunks are the columns of the vectors' 32-bit lanes).
+inline void quads_to_chunks(const Quad q[4], Words out[8]) {
+  __m256i lo[8], hi[8];
+  transpose8(q[0].v, lo);  // vectors 0-7 (quads 0 and 1): values 0-15
+  transpose8(q[2].v, hi);  // vectors 8-15: values 16-31
+  for (int c = 0; c < 8; c++) out[c] = {lo[c], hi[c]};
+}
+// Eight fp16 values converted.
+inline Vec8 halves_at(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
+inline Vec8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline Sums zero_sums() { return {_mm256_setzero_si256()}; }
 // The 32 values as four groups of eight fp32 lanes.
 inline void widen_block(Words q, Vec8 out[4]) {
   out[0] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.lo)))};
@@ -531,6 +599,33 @@ inline Vec8 map8(F f) {
   for (int j = 0; j < 8; j++) r.v[j] = f(j);
   return r;
 }
+struct Quad {
+  int16_t v[4][16];
+};
+inline Quad nibble_quad(const uint8_t* p) {
+  Quad q;
+  for (int i = 0; i < 16; i++) {
+    const int word = p[2 * i] | p[2 * i + 1] << 8;
+    for (int k = 0; k < 4; k++) q.v[k][i] = int16_t((word >> (4 * k)) & 0x0f);
+  }
+  return q;
+}
+inline Quad byte_quad(const uint8_t* p) {
+  Quad q;
+  for (int k = 0; k < 4; k++)
+    for (int i = 0; i < 16; i++) q.v[k][i] = int8_t(p[16 * k + i]);
+  return q;
+}
+inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
+  for (int k = 0; k < 4; k++)
+    for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(q.v[k][i]) * x[16 * k + i];
+  return s;
+}
+inline void quads_to_chunks(const Quad q[4], Words out[8]) {
+  for (int c = 0; c < 8; c++)
+    for (int j = 0; j < 32; j++) out[c].v[j] = q[j / 8].v[(j / 2) % 4][2 * c + j % 2];
+}
+inline Sums zero_sums() { return Sums{}; }
 inline void widen_block(Words q, Vec8 out[4]) {
   for (int g = 0; g < 4; g++) out[g] = map8([&](int j) { return float(q.v[8 * g + j]); });
 }
@@ -550,6 +645,12 @@ inline float reduce_add8(Vec8 x) {
   return s;
 }
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+inline Vec8 halves_at(const uint8_t* p) {
+  uint16_t h[8];
+  std::memcpy(h, p, 16);
+  return map8([&](int j) { return half_to_float(h[j]); });
+}
+inline Vec8 load8(const float* p) { return map8([&](int j) { return p[j]; }); }
 inline std::pair<float, float> two_halves_at(const uint8_t* p) {
   uint16_t h[2];
   std::memcpy(h, p, 4);

@@ -4,7 +4,9 @@ products over activations quantized to 16-bit blocks, more rows by an fp32 GEMM 
 dequantized a few at a time into cache.
 
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
-weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). An
+weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). Once
+loaded, Q8_0, Q4_0 and Q4_1 rows are repacked into the kernels' Lanes layout (the same bytes a
+row, the decode kernel's fastest): from then on the kernels take the layout's own type id. An
 embedding looks up rows of blocks and dequantizes only those.
 """
 
@@ -16,12 +18,17 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes, r
 
 # Rows up to which the integer kernel runs; above, the dequantizing GEMM (benchmarks/RESULTS.md).
 MAX_INTEGER_ROWS = 10
+# The formats repacked into the Lanes layout at load, and its type ids: 1000 + the GGML type's
+# (kernels/cpu/quantized.cpp's Lanes).
+LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+LANES_TYPE_BASE = 1000
 
 
 class CPUGGUFLinearMethod(LinearMethod):
     def __init__(self, qtype: str, dtype: torch.dtype):
         self.qtype = qtype
         self.type_id = BLOCK_TYPES[qtype]
+        self.kernel_type = self.type_id  # the layout the blocks are in: the file's until repacked
         self.dtype = dtype  # of activations, and of the rows an embedding looks up
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
@@ -44,20 +51,29 @@ class CPUGGUFLinearMethod(LinearMethod):
             layer.weight_loader(param, loaded.blocks, shard_id)
         return load
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # A tied embedding and LM head share this method and their weight: repacked once.
+        if self.qtype not in LANES_FORMATS or self.kernel_type != self.type_id:
+            return
+        in_features = row_values(self.qtype, layer.weight.shape[1])
+        layer.weight.data = torch.ops.nanovllm_cpu.gguf_repack(layer.weight, self.type_id, in_features)
+        self.kernel_type = LANES_TYPE_BASE + self.type_id
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.type_id, bias, MAX_INTEGER_ROWS)
+        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.kernel_type, bias, MAX_INTEGER_ROWS)
 
     def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
         """The linear as one fused layer's kernel takes it (kernels/cpu/decoder_layer.cpp): its
-        kind (the block type id), weight tensors (blocks; no packed or oneDNN copy) and the rows
+        kind (the blocks' type id), weight tensors (blocks; no packed or oneDNN copy) and the rows
         up to which the integer path runs."""
-        return self.type_id, [layer.weight, None, None], MAX_INTEGER_ROWS
+        return self.kernel_type, [layer.weight, None, None], MAX_INTEGER_ROWS
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         # x in fp32 makes the kernel return its fp32 sums (the quantized x is the same).
-        return torch.ops.nanovllm_cpu.gguf_linear(hidden.float(), layer.weight, self.type_id, None, MAX_INTEGER_ROWS)
+        return torch.ops.nanovllm_cpu.gguf_linear(hidden.float(), layer.weight, self.kernel_type, None,
+                                                  MAX_INTEGER_ROWS)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
-        values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.type_id, row_values(self.qtype, rows.shape[1]))
+        values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.kernel_type, row_values(self.qtype, rows.shape[1]))
         return values.to(self.dtype).view(*ids.shape, -1)
