@@ -17,6 +17,7 @@ import torch
 from conftest import GGUF_SCALE_OFFSETS, make_tiny_checkpoint, random_gguf_blocks, requires_default_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.layers.quantization.cpu_gguf import LANES_FORMATS, LANES_TYPE_BASE, CPUGGUFLinearMethod
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
 
 if not cpu_kernels.available():
@@ -81,10 +82,6 @@ def test_dequantizing_path_is_the_fp32_product(qtype, dtype):
         torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
-LANES_TYPE_BASE = 1000
-
-
 @pytest.mark.parametrize("qtype", LANES_FORMATS)
 @pytest.mark.parametrize("in_features", [64, 256, 576, 1536])
 def test_lanes_layout_is_the_blocks(qtype, in_features):
@@ -103,8 +100,6 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
 
 
 def test_lanes_layout_is_for_three_formats_and_the_method_repacks_once():
-    from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
-
     with pytest.raises(RuntimeError, match="no lanes layout"):
         torch.ops.nanovllm_cpu.gguf_repack(random_blocks("Q6_K", 2, 256), BLOCK_TYPES["Q6_K"], 256)
     blocks = random_blocks("Q4_1", 8, 576)
@@ -158,8 +153,6 @@ def test_real_tensors_of_the_default_file(name):
 def test_lm_head_logits_are_the_kernels_fp32_sums():
     """bf16 hidden states, fp32 logits, not rounded to bf16 (whose steps at a logit of ~16 are
     1/16: a small model's top tokens then tie)."""
-    from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
-
     blocks = random_blocks("Q8_0", 64, 128)
     head = torch.nn.Module()
     head.weight = torch.nn.Parameter(blocks, requires_grad=False)

@@ -154,11 +154,11 @@ struct Lanes {
   static constexpr bool kWholeRow = true;
   static constexpr bool kMins = Base::kScaleBytes == 4;
   static constexpr int kGroupBytes = 8 * kBytes, kHeaderBytes = 8 * Base::kScaleBytes;
-  // The offset of chunk c of a group with scale d: Q4_1's minimum, Q4_0's -8 d (its nibbles
-  // are unsigned), none for Q8_0.
-  static float offset(const uint8_t* group, int c, float d) {
-    if constexpr (kMins) return half_at(group + 16 + 2 * c);
-    return kOffset ? -8.0f * d : 0.0f;
+  // A group's eight offsets, given its scales d: Q4_1's minimums, Q4_0's -8 d (its nibbles are
+  // unsigned), none for Q8_0.
+  static Vec8 offsets(const uint8_t* group, Vec8 d) {
+    if constexpr (kMins) return simd::halves_at(group + 16);
+    return kOffset ? simd::mul8(d, simd::set1_8(-8.0f)) : simd::zero8();
   }
   template <class Visit>
   static void row_chunks(const uint8_t* row, int64_t K, Visit&& visit) {
@@ -169,10 +169,11 @@ struct Lanes {
       for (int j = 0; j < 4; j++) quads[j] = Base::quad(group + kHeaderBytes, j);
       Words chunks[8];
       simd::quads_to_chunks(quads, chunks);
-      for (int c = 0; c < 8; c++) {
-        const float d = half_at(group + 2 * c);
-        visit(8 * g + c, chunks[c], simd::set1_8(d), offset(group, c, d));
-      }
+      float d[8], offset[8];
+      const Vec8 scales = simd::halves_at(group);
+      simd::store8(d, scales);
+      simd::store8(offset, offsets(group, scales));
+      for (int c = 0; c < 8; c++) visit(8 * g + c, chunks[c], simd::set1_8(d[c]), offset[c]);
     }
     for (int64_t c = 8 * groups; c < K / 32; c++) Base::chunks(row + c * kBytes, c, visit);
   }
@@ -332,14 +333,15 @@ void dot_rows(const uint8_t* w, int64_t w_stride, int64_t K, const QuantizedRows
     }
 }
 
+// Bytes ahead of a group that lanes_dot_rows prefetches: the hardware prefetcher alone leaves one
+// thread's stream from memory short of the bandwidth (benchmarks/RESULTS.md).
+constexpr int kPrefetchAhead = 2048;
+
 // out[r * P + m] = weight row r . x row m0 + m, for `rows` consecutive rows of a Lanes format and
 // P rows of x quantized in lanes: a group of eight chunks is four quads' multiply-adds into one
 // Sums a row of x, whose lanes are the chunks, then one multiply-add with the chunks' scales (and
 // one with their offsets); the row's tail chunks go one by one, as dot_rows takes them. Rows are
 // read one after another: one stream for the hardware prefetcher.
-// Bytes ahead of a group that lanes_dot_rows prefetches: the hardware prefetcher alone leaves one
-// thread's stream from memory short of the bandwidth (benchmarks/RESULTS.md).
-constexpr int kPrefetchAhead = 2048;
 
 template <class F, int P>
 void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K, const QuantizedRows& x,
@@ -367,10 +369,7 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
       for (int m = 0; m < P; m++) {
         const int64_t xc = (m0 + m) * C + 8 * g;
         acc[m] = simd::fmadd8(simd::to_float(sums[m]), simd::mul8(d, simd::load8(&x.scale[xc])), acc[m]);
-        if constexpr (F::kMins)
-          offsets[m] = simd::fmadd8(simd::halves_at(group + 16), simd::load8(&x.sum[xc]), offsets[m]);
-        else if constexpr (F::kOffset)
-          offsets[m] = simd::fmadd8(simd::mul8(d, simd::set1_8(-8.0f)), simd::load8(&x.sum[xc]), offsets[m]);
+        if constexpr (F::kOffset) offsets[m] = simd::fmadd8(F::offsets(group, d), simd::load8(&x.sum[xc]), offsets[m]);
       }
     }
     for (int64_t c = 8 * groups; c < C; c++)
@@ -630,7 +629,9 @@ at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_featur
     case Q8_0::kType: repack(Q8_0{}); break;
     case Q4_0::kType: repack(Q4_0{}); break;
     case Q4_1::kType: repack(Q4_1{}); break;
-    default: TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3) and Q8_0 (8) have");
+    default:
+      TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3) and Q8_0 (8) "
+                  "have");
   }
   return out;
 }
