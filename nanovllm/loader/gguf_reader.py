@@ -48,6 +48,9 @@ class GGUFHeader:
     tensors: dict[str, TensorInfo]
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buffer: memoryview):
         self.buffer, self.offset = buffer, 0
@@ -71,6 +74,11 @@ class _Cursor:
             element_type, count = GGUFValueType(self.unpack("I")), self.unpack("Q")
             if element_type in _SCALARS:
                 self.offset += count * struct.calcsize(_SCALARS[element_type])
+            elif element_type == GGUFValueType.STRING:  # a vocabulary: ~100k strings, in one tight loop
+                offset, length_at = self.offset, _U64.unpack_from
+                for _ in range(count):
+                    offset += 8 + length_at(self.buffer, offset)[0]
+                self.offset = offset
             else:
                 for _ in range(count):
                     self.skip_value(element_type)

@@ -64,6 +64,10 @@ def keep_in_blocks(model: nn.Module, block_types: dict[str, str],
         target, shard_id = _packed_target(name, mapping)
         parts[target][shard_id] = (name, qtype)
     modules = dict(model.named_modules())
+    holders: dict[int, list[nn.Module]] = defaultdict(list)  # weight id -> the modules holding it
+    for module in modules.values():
+        if isinstance(getattr(module, "weight", None), torch.Tensor):
+            holders[id(module.weight)].append(module)
     kept, dense = {}, defaultdict(int)
     for target, shards in parts.items():
         module_name, _, param_name = target.rpartition(".")
@@ -79,8 +83,8 @@ def keep_in_blocks(model: nn.Module, block_types: dict[str, str],
             continue
         old_weight = module.weight
         method.install(module)
-        for other in model.modules():  # layers tied to this weight take the blocks and the method
-            if other is not module and getattr(other, "weight", None) is old_weight:
+        for other in holders[id(old_weight)]:  # layers tied to this weight take the blocks and the method
+            if other is not module:
                 other.weight, other.linear_method = module.weight, method
         kept.update(shards.values())
     if dense:
