@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
 
 from conftest import random_gguf_blocks, requires_default_model
@@ -22,6 +23,7 @@ from nanovllm.loader.gguf import (
     iter_gguf_weights,
     load_gguf_config,
     load_gguf_tokenizer,
+    transformers_config,
 )
 
 _K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -212,12 +214,18 @@ def _write_tiny(path, arch: str, hf: dict[str, np.ndarray], heads=4, kv_heads=2,
     return _write_gguf(path, arch, tensors, heads=heads, kv_heads=kv_heads, hidden=64, ffn=128, **meta)
 
 
+_FROM_METADATA = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                  "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+_READ_BY_THE_ENGINE = (*_FROM_METADATA, "hidden_act", "attention_bias", "mlp_bias", "sliding_window",
+                       "partial_rotary_factor", "rope_scaling")
+
+
 @pytest.mark.parametrize("arch,config_name", [("llama", "LlamaConfig"), ("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config")])
 def test_config_mapping(tmp_path, arch, config_name):
     hf = _tiny_model(np.random.default_rng(0), qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", tied=arch != "qwen2")
     path = _write_tiny(tmp_path / "m.gguf", arch, hf, key_length=16, rope_theta=500000.0, context=4096)
     config = load_gguf_config(path)
-    assert type(config).__name__ == config_name
     assert config.architectures == [config_name.replace("Config", "ForCausalLM")]
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (1, 64, 128)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
@@ -228,6 +236,14 @@ def test_config_mapping(tmp_path, arch, config_name):
     assert (config.bos_token_id, config.eos_token_id) == (1, 2)
     if arch != "qwen2":
         assert config.attention_bias is False
+    # Every field the engine reads has the value the architecture's own config class gives it,
+    # defaults included.
+    reference = getattr(transformers, config_name)(**{field: getattr(config, field) for field in _FROM_METADATA})
+    as_transformers = transformers_config(config)
+    assert type(as_transformers).__name__ == config_name
+    for field in _READ_BY_THE_ENGINE:
+        assert getattr(config, field, None) == getattr(reference, field, None), field
+        assert getattr(as_transformers, field, None) == getattr(reference, field, None), field
 
 
 @pytest.mark.parametrize(
@@ -306,7 +322,7 @@ def test_default_model_path_error_message(monkeypatch):
 @requires_default_model
 def test_smollm2_config(smollm2):
     c = smollm2.config
-    assert type(c).__name__ == "LlamaConfig" and c.architectures == ["LlamaForCausalLM"]
+    assert c.architectures == ["LlamaForCausalLM"]
     assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
     assert c.vocab_size == 49152 and c.tie_word_embeddings and c.max_position_embeddings == 8192
@@ -318,7 +334,7 @@ def test_smollm2_weights_match_transformers_model_layout(smollm2):
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
-        expected = LlamaForCausalLM(smollm2.config).state_dict()
+        expected = LlamaForCausalLM(transformers_config(smollm2.config)).state_dict()
     del expected["lm_head.weight"]  # tied to the embedding
     assert {k: tuple(v.shape) for k, v in smollm2.weights.items()} == {k: tuple(v.shape) for k, v in expected.items()}
 
@@ -368,7 +384,7 @@ def test_smollm2_weights_equal_transformers_dequantization(smollm2):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(smollm2.config)
+        model = LlamaForCausalLM(transformers_config(smollm2.config))
     reference = load_gguf_checkpoint(smollm2.path, return_tensors=True, model_to_load=model)["tensors"]
     assert reference.keys() == smollm2.weights.keys()
     mismatched = [k for k, v in smollm2.weights.items() if not torch.equal(v, reference[k])]

@@ -156,10 +156,11 @@ def load_transformers_model(model: str | None, dtype: torch.dtype):
 
     from nanovllm.config import EngineConfig
     from nanovllm.loader.checkpoint import GGUFCheckpoint
+    from nanovllm.loader.gguf import transformers_config
     config = EngineConfig(model=model, device="cpu", dtype="float32")  # resolves the path and HF config
     if not isinstance(config.checkpoint, GGUFCheckpoint):
         return AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).eval()
-    hf = AutoModelForCausalLM.from_config(config.hf_config, dtype=dtype)
+    hf = AutoModelForCausalLM.from_config(transformers_config(config.hf_config), dtype=dtype)
     missing, unexpected = hf.load_state_dict(dict(config.checkpoint.weights(dtype)), strict=False)
     tied = config.hf_config.tie_word_embeddings
     if unexpected or [m for m in missing if not (tied and m == "lm_head.weight")]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, Qwen2Config, Qwen3Config
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from nanovllm.cache_paths import user_cache_dir
 from nanovllm.loader.gguf_reader import GGUFHeader, TensorInfo, read_gguf_header
@@ -33,11 +34,8 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-_CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
-    "llama": (LlamaConfig, "LlamaForCausalLM"),
-    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
-}
+# GGUF architecture -> the Hugging Face architecture (model class) its config names.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
@@ -78,8 +76,8 @@ def _read_cached(path: str, size: int, mtime_ns: int) -> GGUFHeader:
 
 def _architecture(meta: dict[str, Any]) -> str:
     arch = meta.get("general.architecture")
-    if arch not in _CONFIG_CLASSES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_CONFIG_CLASSES)}")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
     return arch
 
 
@@ -96,7 +94,13 @@ def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
-    """The Hugging Face config (LlamaConfig, Qwen2Config or Qwen3Config) described by the file's metadata."""
+    """The Hugging Face config described by the file's metadata.
+
+    A plain `PretrainedConfig` holding every field the models read, with the values LlamaConfig,
+    Qwen2Config or Qwen3Config would give them (the tests hold it to those classes): importing
+    those classes pulls in transformers' activations and torch.distributed.tensor, a second of
+    every start.
+    """
     gguf_file = _read(path)
     meta, tensors = gguf_file.metadata, gguf_file.tensors
     arch = _architecture(meta)
@@ -106,8 +110,16 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         raise ValueError(f"{path}: the file lacks the metadata key or tensor {e}") from e
 
 
+def transformers_config(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` as its architecture's own transformers class (LlamaConfig, ...), for building
+    transformers' model of a GGUF file (the benchmark's reference engine, tests)."""
+    from transformers import AutoConfig
+    model_type = next(arch for arch, name in _ARCHITECTURES.items() if name == config.architectures[0])
+    fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}  # the generic class's is ""
+    return AutoConfig.for_model(model_type, **fields)
+
+
 def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str) -> PretrainedConfig:
-    config_class, hf_arch = _CONFIG_CLASSES[arch]
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: llama3-style rope scaling (rope_freqs.weight) is not supported")
     hidden, n_heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
@@ -117,8 +129,11 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
     extra = {}
     if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    return config_class(
-        architectures=[hf_arch],
+    if arch == "llama":
+        extra["mlp_bias"] = False
+    return PretrainedConfig(
+        architectures=[_ARCHITECTURES[arch]],
+        hidden_act="silu",
         # The embedding's row count, not tokenizer metadata, is what the weights must match.
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
@@ -214,19 +229,29 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     version, and later starts load that (~0.1 s). A cache that cannot be written or read is
     skipped: the tokenizer is then built from the file as before.
     """
-    from transformers import AutoTokenizer
-
     path = os.path.abspath(path)
     cached = _tokenizer_cache_dir(path)
     if os.path.isdir(cached):
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return _load_saved_tokenizer(cached)
         except Exception as e:  # a damaged cache must not stop the engine: rebuild it
             logger.warning("ignoring the cached tokenizer in %s (%s); rebuilding it from %s", cached, e, path)
             shutil.rmtree(cached, ignore_errors=True)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     _save_tokenizer(tokenizer, cached)
     return tokenizer
+
+
+def _load_saved_tokenizer(directory: str) -> PreTrainedTokenizerBase:
+    """What AutoTokenizer.from_pretrained(directory) returns, through the class the directory
+    names: importing AutoTokenizer's registry of every model would cost ~0.4 s of each start."""
+    import transformers
+
+    with open(os.path.join(directory, "tokenizer_config.json")) as f:
+        class_name = json.load(f)["tokenizer_class"]
+    return getattr(transformers, class_name).from_pretrained(directory)
 
 
 def _tokenizer_cache_dir(path: str) -> str:

@@ -25,7 +25,6 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.platforms import Platform
-from nanovllm.platforms.cpu_compile import compile_decoder_layers
 from nanovllm.platforms.cpu_fused_layers import fuse_decoder_layers
 
 logger = logging.getLogger(__name__)
@@ -124,6 +123,10 @@ class CPUPlatform(Platform):
         if self._on_kernels() and fuse_decoder_layers(model.model):
             done = "fused the decoder layers (one kernel call a step)"
         else:
+            # Imported here: it imports Inductor and Dynamo, about a second a start that
+            # fused layers do without.
+            from nanovllm.platforms.cpu_compile import compile_decoder_layers
+
             # Earlier engines' garbage is collected now rather than mid-trace, where a finalizer
             # that changes global state (a tensor-parallel executor's restores the thread count)
             # makes Dynamo abort the trace; fused layers trace nothing.
