@@ -75,3 +75,14 @@ def test_the_build_reports_its_variant():
     assert torch.ops.nanovllm_cpu.isa() == cpu_kernels.isa()
     forced = os.environ.get(cpu_kernels.ISA_ENV)
     assert cpu_kernels.isa() == (forced or cpu_kernels.runnable_isas()[0])
+
+
+def test_every_kernel_source_is_in_exactly_one_translation_unit():
+    """The build compiles cpu/units/*.cpp, which include the sources: a file in none would be left
+    out of the extension, a file in two defined twice."""
+    included = []
+    for unit in cpu_kernels._UNITS:
+        with open(unit) as f:
+            included += [os.path.normpath(os.path.join(os.path.dirname(unit), line.split('"')[1]))
+                         for line in f if line.startswith("#include")]
+    assert sorted(included) == sorted(os.path.normpath(path) for path in cpu_kernels._SOURCES)

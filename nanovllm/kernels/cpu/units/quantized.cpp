@@ -1,0 +1,3 @@
+// A translation unit of the build (see nanovllm/kernels/cpu.py): GGUF's block formats, the
+// longest file to compile, on its own so that the two units build side by side on two cores.
+#include "../quantized.cpp"
