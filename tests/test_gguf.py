@@ -56,6 +56,13 @@ def _write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Q | None]]
         w.add_eot_token_id(meta["eot"])
     if "chat_template" in meta:
         w.add_chat_template(meta["chat_template"])
+    if "tokenizer" in meta:
+        pre, tokens, merges, token_types = meta["tokenizer"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(token_types)
     for name, (data, raw_type) in tensors.items():
         w.add_tensor(name, data, raw_dtype=raw_type)
     w.write_header_to_file()
@@ -301,6 +308,37 @@ def test_eos_ids_cover_eot_and_end_of_turn_token(tmp_path):
     vocab = {"<|im_end|>": 9, "<|eot_id|>": 7, "<|end|>": 11}  # <|end|> is not in the template
     tokenizer = SimpleNamespace(chat_template=template, get_vocab=lambda: vocab)
     assert gguf_eos_token_ids(path, tokenizer) == [2, 7, 9]
+
+
+def _byte_level_vocabulary() -> tuple[list[str], list[str], list[int]]:
+    """A small GPT-2-style vocabulary: three control tokens (ids 0-2, so the writer's bos 1 and
+    eos 2 name two of them), the 256 byte symbols, and a few merges of them."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "Ġ c", "a p", "Ġc ap", "1 2", "12 3"]
+    tokens = specials + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges]
+    return tokens, merges, [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+
+
+@pytest.mark.parametrize("arch,pre", [("llama", "smollm"), ("qwen2", "qwen2"), ("qwen3", "qwen2")])
+def test_tokenizer_is_the_one_auto_tokenizer_builds(tmp_path, monkeypatch, arch, pre):
+    """The tokenizer is built without AutoTokenizer's choice of class; it must behave as that one."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tokens, merges, token_types = _byte_level_vocabulary()
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    path = _write_gguf(tmp_path / "m.gguf", arch, {"token_embd.weight": (np.zeros((len(tokens), 64), np.float32), None)},
+                       chat_template=template, tokenizer=(pre, tokens, merges, token_types))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    conversation = [{"role": "user", "content": "the cap in 123"}]
+    text = "Hello  the cap,\n  1234 <|im_start|>x<|im_end|> \u00e9 \u6771\u4eac\t\tin a"
+    for tok in (load_gguf_tokenizer(path), load_gguf_tokenizer(path)):  # built, then from the cache
+        assert tok.get_vocab() == reference.get_vocab()
+        assert tok.all_special_ids == reference.all_special_ids
+        assert tok(text).input_ids == reference(text).input_ids
+        assert tok.decode(tok(text).input_ids) == reference.decode(reference(text).input_ids) == text
+        assert (tok.apply_chat_template(conversation, add_generation_prompt=True) ==
+                reference.apply_chat_template(conversation, add_generation_prompt=True))
 
 
 # --- (c) the shipped SmolLM2-135M-Instruct file -------------------------------------------------

@@ -223,11 +223,14 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer transformers builds from the file's vocabulary, merges and chat template.
 
-    Building it parses the whole file again and converts the vocabulary (~3 s for SmolLM2,
-    a quarter of a start-up), so the result is saved once in Hugging Face's own format under
-    the user's cache directory, keyed by the file (path, size, mtime) and the transformers
-    version, and later starts load that (~0.1 s). A cache that cannot be written or read is
-    skipped: the tokenizer is then built from the file as before.
+    Built through `TokenizersBackend` rather than `AutoTokenizer`: whatever class AutoTokenizer
+    picks, the backend it gets from a GGUF file is the one transformers' GGUF converter builds,
+    but picking the class first reads the whole file with gguf-py and imports the model's
+    config class, most of a first start's tokenizer time (benchmarks/RESULTS.md). Building still
+    converts the vocabulary, so the result is saved once in Hugging Face's own format under the
+    user's cache directory, keyed by the file (path, size, mtime) and the transformers version,
+    and later starts load that. A cache that cannot be written or read is skipped: the
+    tokenizer is then built from the file as before.
     """
     path = os.path.abspath(path)
     cached = _tokenizer_cache_dir(path)
@@ -237,9 +240,9 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         except Exception as e:  # a damaged cache must not stop the engine: rebuild it
             logger.warning("ignoring the cached tokenizer in %s (%s); rebuilding it from %s", cached, e, path)
             shutil.rmtree(cached, ignore_errors=True)
-    from transformers import AutoTokenizer
+    from transformers import TokenizersBackend
 
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tokenizer = TokenizersBackend.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     _save_tokenizer(tokenizer, cached)
     return tokenizer
 
