@@ -234,17 +234,17 @@ struct QuantizedRows {
       for (int64_t i = begin; i < end; i++) {
         const int64_t m = i / chunks, c = i % chunks;
         const T* src = x + m * x_stride + 32 * c;
-        float v[32], amax = 0.0f;
-        for (int j = 0; j < 32; j++) {
-          v[j] = float(src[j]);
-          amax = std::max(amax, std::abs(v[j]));
-        }
+        const simd::Vec lo = load16(src), hi = load16(src + 16);
+        const float amax = simd::reduce_max(simd::max(magnitude(lo), magnitude(hi)));
         const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t rounded[32];
+        simd::store_int32(rounded, simd::mul(lo, simd::set1(inv)));
+        simd::store_int32(rounded + 16, simd::mul(hi, simd::set1(inv)));
         int16_t* dst = q.data() + m * K + 32 * c;
         int16_t* group = dst - 32 * (c % 8);
         int total = 0;
         for (int j = 0; j < 32; j++) {
-          const int16_t value = int16_t(std::nearbyint(v[j] * inv));
+          const int16_t value = int16_t(rounded[j]);
           (c < grouped ? group[16 * (j / 2) + 2 * (c % 8) + j % 2] : dst[j]) = value;
           total += value;
         }
@@ -255,6 +255,11 @@ struct QuantizedRows {
   }
   // Chunk c of row m; with lanes, c's group where c is in one.
   const int16_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
+
+ private:
+  static simd::Vec load16(const BFloat16* p) { return simd::load_bf16(p); }
+  static simd::Vec load16(const float* p) { return simd::load(p); }
+  static simd::Vec magnitude(simd::Vec v) { return simd::max(v, simd::sub(simd::zero(), v)); }
 };
 
 // One block of a weight row decoded, its chunks ready for several rows of x.

@@ -88,6 +88,8 @@ inline Vec load_first(const float* p, int64_t n, float fill) {
 }
 inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x.v); }
+// The lanes rounded to the nearest integer (ties to even, as std::nearbyint) and stored at p.
+inline void store_int32(int32_t* p, Vec x) { _mm512_storeu_si512(p, _mm512_cvtps_epi32(x.v)); }
 inline Vec widen_bf16(__m256i x) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))}; }
 // min(n, 16) bf16 values from p widened to fp32; the rest are 0.
 inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p)); }
@@ -194,6 +196,10 @@ inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p 
 inline void store(float* p, Vec x) {
   _mm256_storeu_ps(p, x.lo);
   _mm256_storeu_ps(p + 8, x.hi);
+}
+inline void store_int32(int32_t* p, Vec x) {
+  _mm256_storeu_si256((__m256i*)p, _mm256_cvtps_epi32(x.lo));
+  _mm256_storeu_si256((__m256i*)(p + 8), _mm256_cvtps_epi32(x.hi));
 }
 inline __m256 widen8(__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); }
 inline Vec widen_bf16(__m256i x) { return {widen8(_mm256_castsi256_si128(x)), widen8(_mm256_extracti128_si256(x, 1))}; }
@@ -325,6 +331,9 @@ inline uint32_t positive_lanes(Vec x) {
 inline Vec load_first(const float* p, int64_t n, float fill) { return map([&](int j) { return j < n ? p[j] : fill; }); }
 inline Vec load(const float* p) { return map([&](int j) { return p[j]; }); }
 inline void store(float* p, Vec x) { std::memcpy(p, x.v, sizeof(x.v)); }
+inline void store_int32(int32_t* p, Vec x) {
+  for (int j = 0; j < 16; j++) p[j] = int32_t(std::nearbyint(x.v[j]));
+}
 inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return map([&](int j) { return j < n ? float(p[j]) : 0.0f; }); }
 inline void store_bf16(BFloat16* p, Vec x, int64_t n = 16) {
   for (int j = 0; j < 16 && j < n; j++) p[j] = BFloat16(x.v[j]);
