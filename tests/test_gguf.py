@@ -4,6 +4,7 @@ files written here with gguf.GGUFWriter, then the shipped SmolLM2-135M file agai
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from types import SimpleNamespace
 
@@ -397,6 +398,10 @@ def test_smollm2_tokenizer_is_cached_and_the_cache_behaves_alike(smollm2, tmp_pa
     assert os.path.isdir(cache_dir) and not [p for p in os.listdir(os.path.dirname(cache_dir)) if p.startswith(".")]
     cached = load_gguf_tokenizer(smollm2.path)
     assert cached.name_or_path == cache_dir and built.name_or_path != cache_dir
+    # The added tokens are listed in the saved config, so loading need not parse tokenizer.json for them.
+    with open(os.path.join(cache_dir, "tokenizer_config.json")) as f:
+        assert set(json.load(f)["added_tokens_decoder"]) == {str(i) for i in built.added_tokens_decoder}
+    assert cached.added_tokens_decoder == built.added_tokens_decoder
     conversation = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": "Hello world, 123! Ünïcode ✓"}]
     for tok in (built, cached):

@@ -273,12 +273,29 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, target: str) -> None:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".partial-")
         tokenizer.save_pretrained(tmp)
+        _record_added_tokens(tokenizer, tmp)
         os.rename(tmp, target)
     except OSError as e:  # read-only home, a full disk, or a concurrent save that won
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.isdir(target):
             logger.info("could not cache the GGUF tokenizer in %s (%s)", target, e)
+
+
+def _record_added_tokens(tokenizer: PreTrainedTokenizerBase, directory: str) -> None:
+    """List the added tokens in the saved tokenizer_config.json, as Hub repositories do: without
+    them there, every load json-parses the whole tokenizer.json in Python just to find them,
+    besides the Rust backend's own parse of it."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["added_tokens_decoder"] = {
+        str(index): {field: getattr(token, field)
+                     for field in ("content", "single_word", "lstrip", "rstrip", "normalized", "special")}
+        for index, token in tokenizer.added_tokens_decoder.items()
+    }
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
 
 
 def gguf_eos_token_ids(path: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
