@@ -13,7 +13,7 @@ extensions directory under a name that hashes every source and header with its p
 torch version and the variant's flags, so an edit to any of them, an upgrade or another
 variant builds afresh and a warm cache loads in well under a second. The paths are in the name
 because the build remembers where its sources were: two checkouts of the same sources sharing
-one build would rebuild it (~22 s on two cores) at every switch between them. Without a working
+one build would rebuild it (tens of seconds) at every switch between them. Without a working
 compiler `available()` is False and callers fall back to plain PyTorch.
 
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
@@ -48,8 +48,8 @@ _SOURCE_DIR = os.path.join(os.path.dirname(__file__), "cpu")
 _SOURCES = sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.cpp")))
 _HEADERS = sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.h")))
 # What the compiler is given: two translation units that include the sources (cpu/units/).
-# Each unit parses torch's headers (~6 s of a core), and two units are as many as two cores
-# build at once: a unit per file took ~35 s on two cores, these two ~22 s.
+# Each unit parses torch's headers again, and two units are as many as two cores build at
+# once (benchmarks/RESULTS.md, 2026-12-03: the build with a unit per file and with these).
 _UNITS = sorted(glob.glob(os.path.join(_SOURCE_DIR, "units", "*.cpp")))
 _BUILD_VERSION = b"2"  # bump when the build flags change
 

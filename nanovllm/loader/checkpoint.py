@@ -45,7 +45,7 @@ class HFCheckpoint:
     def config(self) -> PretrainedConfig:
         if not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ValueError(f"model directory {self.path!r} has no config.json")
-        from transformers import AutoConfig  # its registry of every model: ~0.4 s a GGUF start does without
+        from transformers import AutoConfig  # its registry of every model: a GGUF start does without it
 
         try:
             return AutoConfig.from_pretrained(self.path)

@@ -98,8 +98,8 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 
     A plain `PretrainedConfig` holding every field the models read, with the values LlamaConfig,
     Qwen2Config or Qwen3Config would give them (the tests hold it to those classes): importing
-    those classes pulls in transformers' activations and torch.distributed.tensor, a second of
-    every start.
+    those classes pulls in transformers' activations and torch.distributed.tensor, most of a
+    warm start's config time (benchmarks/RESULTS.md).
     """
     gguf_file = _read(path)
     meta, tensors = gguf_file.metadata, gguf_file.tensors
@@ -249,7 +249,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def _load_saved_tokenizer(directory: str) -> PreTrainedTokenizerBase:
     """What AutoTokenizer.from_pretrained(directory) returns, through the class the directory
-    names: importing AutoTokenizer's registry of every model would cost ~0.4 s of each start."""
+    names, without importing AutoTokenizer's registry of every model."""
     import transformers
 
     with open(os.path.join(directory, "tokenizer_config.json")) as f:
