@@ -188,22 +188,29 @@ void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
     const uint8_t* blocks = src + g * F::kGroupBytes;
     uint8_t* group = dst + g * F::kGroupBytes;
     uint8_t* values = group + F::kHeaderBytes;
-    std::memset(values, 0, F::kGroupBytes - F::kHeaderBytes);
     for (int c = 0; c < 8; c++) {
       std::memcpy(group + 2 * c, blocks + c * F::kBytes, 2);
       if constexpr (F::kMins) std::memcpy(group + 16 + 2 * c, blocks + c * F::kBytes + 2, 2);
     }
-    for (int r = 0; r < 16; r++)  // vector r, word i: chunk i / 2, value 2r + i % 2
-      for (int i = 0; i < 16; i++) {
-        const uint8_t* block = blocks + (i / 2) * F::kBytes + Base::kScaleBytes;
-        const int v = 2 * r + i % 2;
-        if constexpr (std::is_same_v<Base, Q8_0>) {
-          values[16 * r + i] = block[v];
-        } else {  // a block's byte j holds value j (low nibble) and 16 + j; a quad's word, four vectors
-          const int q = v < 16 ? block[v] & 0x0f : block[v - 16] >> 4, k = r % 4;
-          values[32 * (r / 4) + 2 * i + k / 2] |= uint8_t(q << (4 * (k % 2)));
+    for (int c = 0; c < 8; c++) {
+      const uint8_t* block = blocks + c * F::kBytes + Base::kScaleBytes;
+      if constexpr (std::is_same_v<Base, Q8_0>) {
+        // vector r's words 2c, 2c + 1: chunk c's values 2r, 2r + 1
+        for (int r = 0; r < 16; r++) std::memcpy(values + 16 * r + 2 * c, block + 2 * r, 2);
+      } else {
+        // Quad j's bytes 4c + 2p + b hold chunk c's values 8j + 4b + p (low nibble) and that + 2
+        // (high); a block's byte v holds values v (low nibble) and 16 + v (high).
+        for (int j = 0; j < 4; j++) {
+          const int shift = j < 2 ? 0 : 4, first = 8 * (j % 2);
+          for (int p = 0; p < 2; p++)
+            for (int b = 0; b < 2; b++) {
+              const int v = first + 4 * b + p;
+              values[32 * j + 4 * c + 2 * p + b] =
+                  uint8_t(((block[v] >> shift) & 0x0f) | (((block[v + 2] >> shift) & 0x0f) << 4));
+            }
         }
       }
+    }
   }
   std::memcpy(dst + groups * F::kGroupBytes, src + groups * F::kGroupBytes, (K / 32 - 8 * groups) * F::kBytes);
 }
