@@ -319,7 +319,7 @@ def _byte_level_vocabulary() -> tuple[list[str], list[str], list[int]]:
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "Ġ c", "a p", "Ġc ap", "1 2", "12 3"]
     tokens = specials + list(bytes_to_unicode().values()) + [m.replace(" ", "") for m in merges]
-    return tokens, merges, [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    return tokens, merges, [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (len(tokens) - len(specials))
 
 
 @pytest.mark.parametrize("arch,pre", [("llama", "smollm"), ("qwen2", "qwen2"), ("qwen3", "qwen2")])

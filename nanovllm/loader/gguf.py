@@ -289,11 +289,10 @@ def _record_added_tokens(tokenizer: PreTrainedTokenizerBase, directory: str) -> 
     path = os.path.join(directory, "tokenizer_config.json")
     with open(path) as f:
         config = json.load(f)
-    config["added_tokens_decoder"] = {
-        str(index): {field: getattr(token, field)
-                     for field in ("content", "single_word", "lstrip", "rstrip", "normalized", "special")}
-        for index, token in tokenizer.added_tokens_decoder.items()
-    }
+    # Each token as transformers' own save_pretrained serializes it (before dropping the list
+    # for a TokenizersBackend).
+    config["added_tokens_decoder"] = {str(index): token.__getstate__()
+                                      for index, token in tokenizer.added_tokens_decoder.items()}
     with open(path, "w") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
 

@@ -191,8 +191,6 @@ void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
     for (int c = 0; c < 8; c++) {
       std::memcpy(group + 2 * c, blocks + c * F::kBytes, 2);
       if constexpr (F::kMins) std::memcpy(group + 16 + 2 * c, blocks + c * F::kBytes + 2, 2);
-    }
-    for (int c = 0; c < 8; c++) {
       const uint8_t* block = blocks + c * F::kBytes + Base::kScaleBytes;
       if constexpr (std::is_same_v<Base, Q8_0>) {
         // vector r's words 2c, 2c + 1: chunk c's values 2r, 2r + 1
@@ -243,10 +241,11 @@ struct QuantizedRows {
         const T* src = x + m * x_stride + 32 * c;
         const simd::Vec lo = load16(src), hi = load16(src + 16);
         const float amax = simd::reduce_max(simd::max(magnitude(lo), magnitude(hi)));
-        const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const float d = amax / 32767.0f;
+        const simd::Vec inv = simd::set1(d > 0.0f ? 1.0f / d : 0.0f);
         int32_t rounded[32];
-        simd::store_int32(rounded, simd::mul(lo, simd::set1(inv)));
-        simd::store_int32(rounded + 16, simd::mul(hi, simd::set1(inv)));
+        simd::store_int32(rounded, simd::mul(lo, inv));
+        simd::store_int32(rounded + 16, simd::mul(hi, inv));
         int16_t* dst = q.data() + m * K + 32 * c;
         int16_t* group = dst - 32 * (c % 8);
         int total = 0;
