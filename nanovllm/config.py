@@ -5,6 +5,8 @@ alias), read its config, pick device and dtype, and settle the scheduler limits.
 Every problem is reported here, before any weight is loaded.
 """
 
+import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Share of available RAM that the CPU KV cache takes when neither kv_cache_memory_gb nor
 # num_kvcache_blocks is given (capped, as on CUDA, at what max_num_seqs full-length sequences need).
 CPU_KV_CACHE_RAM_SHARE = 0.2
+# The environment variable that sets the CPU threads when num_threads is not given.
+NUM_THREADS_ENV = "NANOVLLM_NUM_THREADS"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, bounded by a cgroup's CPU quota
+    (a container's `--cpus`), rounded up. More threads than that wait on each other's turns."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -46,6 +64,8 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
+    # CPU threads of the kernels and of torch; None: $NANOVLLM_NUM_THREADS, else usable_cpus().
+    num_threads: int | None = None
     # None: a GGUF file runs its own block formats where the platform multiplies them; "dense":
     # every weight dequantized at load; "q8_0"/"q4_0": a Hugging Face checkpoint quantized at load.
     quantization: str | None = None
@@ -70,6 +90,7 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("kvcache_block_size", self.kvcache_block_size, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        self._resolve_num_threads()
         if self.num_kvcache_blocks is not None:
             _check_int("num_kvcache_blocks", self.num_kvcache_blocks, 1)
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
@@ -87,6 +108,16 @@ class EngineConfig:
         self.checkpoint = open_checkpoint(self.model)
         self.model_path = self.checkpoint.path
         self.hf_config = self.checkpoint.config()
+
+    def _resolve_num_threads(self):
+        if self.num_threads is None and os.environ.get(NUM_THREADS_ENV, "").strip():
+            value = os.environ[NUM_THREADS_ENV].strip()
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{NUM_THREADS_ENV} must be an integer >= 1, got {value!r}")
+            self.num_threads = int(value)
+        if self.num_threads is None:
+            self.num_threads = usable_cpus()
+        _check_int("num_threads", self.num_threads, 1)
 
     def _resolve_device_and_dtype(self):
         if self.device == "auto":

@@ -86,3 +86,12 @@ def test_every_kernel_source_is_in_exactly_one_translation_unit():
             included += [os.path.normpath(os.path.join(os.path.dirname(unit), line.split('"')[1]))
                          for line in f if line.startswith("#include")]
     assert sorted(included) == sorted(os.path.normpath(path) for path in cpu_kernels._SOURCES)
+
+
+def test_each_python_environment_keeps_its_own_build(monkeypatch):
+    """The build remembers the environment's torch headers: two environments sharing one build
+    name would rebuild it at every switch between them, so the name differs between them."""
+    name = cpu_kernels.build_name("none")
+    assert cpu_kernels.build_name("none") == name
+    monkeypatch.setattr(sys, "prefix", "/another/environment")
+    assert cpu_kernels.build_name("none") != name

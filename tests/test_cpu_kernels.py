@@ -11,10 +11,14 @@ in passes split evenly and in several row blocks, output sizes that are not mult
 and an odd K.
 The linear op: F.linear's bf16 result on either side of its row crossover.
 The elementwise ops (gated SiLU, RMSNorm): eager bf16 PyTorch, to the last bit of an exp or a sum.
+The kernels' thread pool: the same bits on one thread and on several, and a forked child that
+runs the kernels on a pool of its own.
 """
 
 import gc
+import os
 import random
+import time
 
 import pytest
 import torch
@@ -245,3 +249,67 @@ def test_rms_norm_matches_the_layer_in_eager(shape):
     assert_matches_eager(out, ref)
     assert_matches_eager(norm(x), ref_plain)
     assert_matches_eager(norm(x.transpose(0, -1).contiguous().transpose(0, -1)), ref_plain)  # strided rows
+
+
+def _pool_inputs() -> list[tuple]:
+    """Inputs of kernels over the pool: a GGUF linear on both paths, the packed bf16 linear, an
+    RMSNorm."""
+    import numpy as np
+
+    from conftest import random_gguf_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.from_numpy(random_gguf_blocks("Q4_0", 700, 512, np.random.default_rng(3)))
+    lanes = torch.ops.nanovllm_cpu.gguf_repack(blocks, 2, 512)
+    w = torch.randn(300, 256, generator=gen).to(torch.bfloat16)
+    packed, ones = cpu_kernels.pack_linear_weight(w), torch.ones(256, dtype=torch.bfloat16)
+    return [(torch.randn(rows, 512, generator=gen), lanes, torch.randn(rows, 256, generator=gen).to(torch.bfloat16),
+             packed, ones) for rows in (1, 7, 40)]
+
+
+def _pool_outputs(inputs: list[tuple]) -> list[torch.Tensor]:
+    """Only the kernels run here (a forked child must not enter torch's own OpenMP pool)."""
+    outputs = []
+    for x, lanes, xb, packed, ones in inputs:
+        outputs.append(torch.ops.nanovllm_cpu.gguf_linear(x, lanes, 1002, None, 10))
+        outputs.append(torch.ops.nanovllm_cpu.linear_packed(xb, packed, None, 300))
+        outputs.append(torch.ops.nanovllm_cpu.rms_norm(xb, ones, 1e-6))
+    return outputs
+
+
+def test_the_pool_gives_the_same_bits_on_any_number_of_threads():
+    """Chunks go to whichever thread claims them; every element is computed the same way."""
+    threads = torch.get_num_threads()
+    inputs = _pool_inputs()
+    try:
+        torch.set_num_threads(1)
+        alone = _pool_outputs(inputs)
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            for a, b in zip(alone, _pool_outputs(inputs)):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_forked_child_runs_the_kernels_on_a_pool_of_its_own():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        inputs = _pool_inputs()
+        expected = _pool_outputs(inputs)  # the parent's pool now has a worker
+        pid = os.fork()
+        if pid == 0:  # the child has the pool's state but not its worker thread
+            ok = all(torch.equal(a, b) for a, b in zip(expected, _pool_outputs(inputs)))
+            os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 60  # a child waiting on its parent's workers would hang
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = done[1]
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in the kernels")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(threads)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import NUM_THREADS_ENV, EngineConfig, usable_cpus
 
 MAX_TOKENS = 12
 BLOCK = 16
@@ -253,3 +254,24 @@ def test_bad_dtype_device_and_cache_size(tmp_path):
             LLM(path, device="cuda")
     with pytest.raises(ValueError, match=r"needs 16 blocks \(.* GiB\)"):
         LLM(path, dtype="float32", num_kvcache_blocks=4, max_model_len=256)
+
+
+def test_cpu_threads_come_from_the_option_the_environment_or_the_usable_cpus(tmp_path, monkeypatch):
+    path = str(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM"))
+    threads = torch.get_num_threads()
+    monkeypatch.delenv(NUM_THREADS_ENV, raising=False)
+    try:
+        assert EngineConfig(path).num_threads == usable_cpus() <= len(os.sched_getaffinity(0))
+        monkeypatch.setenv(NUM_THREADS_ENV, "3")
+        assert EngineConfig(path).num_threads == 3
+        assert EngineConfig(path, num_threads=1).num_threads == 1  # the option wins
+        LLM(path, dtype="float32", num_kvcache_blocks=32)
+        assert torch.get_num_threads() == 3
+        for bad in ("0", "two"):
+            monkeypatch.setenv(NUM_THREADS_ENV, bad)
+            with pytest.raises(ValueError, match=f"{NUM_THREADS_ENV} must be an integer >= 1, got '{bad}'"):
+                EngineConfig(path)
+        with pytest.raises(ValueError, match="num_threads must be an integer >= 1, got 0"):
+            EngineConfig(path, num_threads=0)
+    finally:
+        torch.set_num_threads(threads)

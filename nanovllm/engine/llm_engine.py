@@ -8,6 +8,8 @@ use; `step` returns a RequestOutput for every request that advanced, with cumula
 import logging
 from itertools import count
 
+import torch
+
 from nanovllm.startup import phase as startup_phase
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
@@ -32,6 +34,8 @@ class LLMEngine:
         self.eos_token_ids = config.checkpoint.eos_token_ids(config.hf_config, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        if config.device == "cpu":
+            torch.set_num_threads(config.num_threads)  # the kernels' pool and torch's both follow it
         self.executor = make_executor(config)
         self.block_manager = BlockManager(self.executor.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)

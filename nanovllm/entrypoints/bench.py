@@ -291,15 +291,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama-cpp-python)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot output tok/s against 1, 4, 16 and 64 concurrent requests")
-    parser.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: torch's choice)")
     add_engine_arguments(parser)
     # Repeated prompts would hit the prefix cache and time the cache instead of the model.
     parser.set_defaults(enable_prefix_caching=False)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     nano = NanoRunner(engine_kwargs(args))
     runners = [nano]
     if "transformers" in args.compare:

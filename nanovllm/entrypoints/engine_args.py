@@ -39,6 +39,9 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--tensor-parallel-size", "-tp"), "tensor_parallel_size", dict(type=int, metavar="N",
                                                                      help="number of tensor-parallel ranks")),
     (("--seed",), "seed", dict(type=int, help="seed of the engine's random stream")),
+    (("--threads",), "num_threads", dict(type=int, metavar="N",
+                                         help="CPU threads (default: $NANOVLLM_NUM_THREADS, else the CPUs this "
+                                              "process may use: its affinity and cgroup quota)")),
     (("--quantization", "-q"), "quantization",
      dict(choices=[q for q in QUANTIZATIONS if q], help="unset: a GGUF file runs its own quantized types where the "
                                                        "platform multiplies them (CPUs), else dequantized at load; "

@@ -11,9 +11,10 @@ path is the only one over the CPU cache layout.
 The extension is compiled through torch's cpp_extension machinery and cached in torch's
 extensions directory under a name that hashes every source and header with its path, the
 torch version and the variant's flags, so an edit to any of them, an upgrade or another
-variant builds afresh and a warm cache loads in well under a second. The paths are in the name
-because the build remembers where its sources were: two checkouts of the same sources sharing
-one build would rebuild it (tens of seconds) at every switch between them. Without a working
+variant builds afresh and a warm cache loads in well under a second. The paths of the sources
+and of the Python environment (its interpreter and torch's headers) are in the name because the
+build remembers both: two checkouts of the same sources, or two environments using one checkout,
+sharing one build would rebuild it (tens of seconds) at every switch between them. Without a working
 compiler `available()` is False and callers fall back to plain PyTorch.
 
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
@@ -33,6 +34,7 @@ import math
 import mmap
 import os
 import platform
+import sys
 import weakref
 
 import torch
@@ -51,7 +53,7 @@ _HEADERS = sorted(glob.glob(os.path.join(_SOURCE_DIR, "*.h")))
 # Each unit parses torch's headers again, and two units are as many as two cores build at
 # once (benchmarks/RESULTS.md, 2026-12-03: the build with a unit per file and with these).
 _UNITS = sorted(glob.glob(os.path.join(_SOURCE_DIR, "units", "*.cpp")))
-_BUILD_VERSION = b"2"  # bump when the build flags change
+_BUILD_VERSION = b"3"  # bump when the build flags change
 
 ISA_ENV = "NANOVLLM_CPU_ISA"
 # Each variant: the /proc/cpuinfo flags a CPU needs to run it, and the compiler flags that
@@ -97,24 +99,28 @@ def isa() -> str:
     return forced
 
 
+def build_name(variant: str) -> str:
+    """The extension's name: the variant and a hash of everything its build depends on."""
+    fingerprint = [_BUILD_VERSION, torch.__version__.encode(), variant.encode(), " ".join(ISAS[variant][1]).encode(),
+                   os.path.realpath(sys.prefix).encode(), os.path.realpath(os.path.dirname(torch.__file__)).encode()]
+    for path in _SOURCES + _HEADERS + _UNITS:
+        with open(path, "rb") as f:
+            fingerprint += [f.read(), os.path.realpath(path).encode()]
+    key = hashlib.sha256(b"\0".join(fingerprint)).hexdigest()[:16]
+    return f"nanovllm_cpu_{variant}_{key}"
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False, with a warning, if that fails."""
     variant = isa()
     flags = ISAS[variant][1]
-    fingerprint = [_BUILD_VERSION, torch.__version__.encode(), variant.encode(), " ".join(flags).encode()]
-    for path in _SOURCES + _HEADERS + _UNITS:
-        with open(path, "rb") as f:
-            fingerprint += [f.read(), os.path.realpath(path).encode()]
-    key = hashlib.sha256(b"\0".join(fingerprint)).hexdigest()[:16]
     try:
         from torch.utils.cpp_extension import load
-        # -fopenmp: at::parallel_for is a header template whose OpenMP pragmas compile into the
-        # extension; without the flag it silently runs on one thread. The libgomp this links
-        # resolves to the one torch already loaded (same soname), so there is one thread pool.
+        # No -fopenmp: the kernels' threads are their own pool's (cpu/thread_pool.h), not OpenMP's.
         with startup_phase(f"CPU kernels ({variant}: build or load)"):
-            load(name=f"nanovllm_cpu_{variant}_{key}", sources=_UNITS, extra_cflags=["-O3", "-fopenmp", *flags],
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            load(name=build_name(variant), sources=_UNITS, extra_cflags=["-O3", *flags], is_python_module=False,
+                 verbose=False)
     except Exception as e:  # no compiler, no ninja, an unsupported platform...
         logger.warning("nano-vllm CPU kernels could not be built (%s); using plain PyTorch, which is slower", e)
         return False

@@ -20,6 +20,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -58,7 +59,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     // Split even a decode step's few tokens between threads: each token writes a cache line per
     // pair of key dims, ~100 lines per token of the default model, all cold, so the time is
     // misses in flight, and two threads keep twice as many (56 tokens: 43 us -> 30 us a layer).
-    at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;  // a padding row
@@ -298,13 +299,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t n_items = int64_t(items.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_items, 1));
+  const int64_t threads = std::min<int64_t>(pool_threads(), std::max<int64_t>(n_items, 1));
 
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     const T* kc = k_cache.data_ptr<T>();
     const T* vc = v_cache.data_ptr<T>();
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       std::vector<Row<T>> rows;
       std::vector<float> scratch;
       for (int64_t worker = begin; worker < end; worker++) {

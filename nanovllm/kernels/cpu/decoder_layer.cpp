@@ -8,6 +8,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -62,7 +63,7 @@ at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at:
   const float* cache = cos_sin.data_ptr<float>();
   const int64_t* position = positions.data_ptr<int64_t>();
   const int64_t src_stride = heads.stride(0), max_position = cos_sin.size(0);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
       TORCH_CHECK(position[t] >= 0 && position[t] < max_position, "position ", position[t], " is outside the "
                   "RoPE cache of ", max_position);

@@ -5,6 +5,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -43,7 +44,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty(shape, x.options());
   const BFloat16* src = in.x.data_ptr<BFloat16>();
   BFloat16* dst = out.data_ptr<BFloat16>();
-  at::parallel_for(0, in.rows, rows_grain(in.width), [&](int64_t begin, int64_t end) {
+  parallel_for(0, in.rows, rows_grain(in.width), [&](int64_t begin, int64_t end) {
     const Vec one = simd::set1(1.0f);
     for (int64_t row = begin; row < end; row++) {
       const BFloat16* gate = src + row * 2 * I;
@@ -69,7 +70,7 @@ void rms_norm_rows(const RowsView& in, const BFloat16* residual, const at::Tenso
   const BFloat16* src = in.x.data_ptr<BFloat16>();
   const BFloat16* w = weight.data_ptr<BFloat16>();
   BFloat16* dst = out.data_ptr<BFloat16>();
-  at::parallel_for(0, in.rows, rows_grain(H), [&](int64_t begin, int64_t end) {
+  parallel_for(0, in.rows, rows_grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; row++) {
       const BFloat16* x = src + row * H;
       if (residual != nullptr) {  // the sum first, stored: the norm reads it back from L1

@@ -8,6 +8,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -84,7 +85,7 @@ void linear_packed_impl(const BFloat16* x, int64_t x_stride, const BFloat16* pac
     }
     xp = interleaved.data();
   }
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t mb = 0; mb < M; mb += kRowBlock) {
       const int64_t m_end = std::min(M, mb + kRowBlock), passes = (m_end - mb + kMaxRows - 1) / kMaxRows;
       for (int64_t p = begin; p < end; p++) {

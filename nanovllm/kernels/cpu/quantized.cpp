@@ -13,6 +13,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <ATen/ops/empty.h>
 
@@ -235,7 +236,7 @@ struct QuantizedRows {
   QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, bool lanes)
       : chunks(K / 32), q(M * K), scale(M * chunks), sum(M * chunks) {
     const int64_t grouped = lanes ? K / 256 * 8 : 0;  // chunks a row in groups
-    at::parallel_for(0, M * chunks, 64, [&](int64_t begin, int64_t end) {
+    parallel_for(0, M * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t m = i / chunks, c = i % chunks;
         const T* src = x + m * x_stride + 32 * c;
@@ -426,7 +427,7 @@ void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_st
   if constexpr (F::kWholeRow) {
     static constexpr auto table = make_lanes_table<F>(std::make_integer_sequence<int, kMaxPass>{});
     constexpr int64_t kRun = 32;  // weight rows a call
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       float out[kRun * kMaxPass];
       for (int64_t n = begin; n < end; n += kRun) {
         const int64_t run = std::min(kRun, end - n);
@@ -441,7 +442,7 @@ void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_st
     });
   } else {
     static constexpr auto table = make_dot_table<F>(std::make_integer_sequence<int, kMaxPass>{});
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       float out[std::max(kMaxPass, kRowsPerCall)];
       int64_t n = begin;
       if (M == 1)  // a decode: weight rows four a call; the last few go one by one below
@@ -474,7 +475,7 @@ void dequantize_row(const uint8_t* row, int64_t K, float* out) {
 
 template <class F>
 void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K, float* out) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; n++) dequantize_row<F>(w + n * w_stride, K, out + n * K);
   });
 }
@@ -505,7 +506,7 @@ template <typename T>
 std::vector<float> pack_groups_of_16(const T* x, int64_t x_stride, int64_t M, int64_t K) {
   const int64_t groups = (M + 15) / 16;
   std::vector<float> packed(groups * K * 16);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g++) {
       float* dst = packed.data() + g * K * 16;
       for (int64_t j = 0; j < 16; j++) {
@@ -525,7 +526,7 @@ void dequantizing_gemm(const T* x, int64_t x_stride, const uint8_t* w, int64_t w
                        int64_t M, int64_t N, int64_t K) {
   const std::vector<float> xp = pack_groups_of_16(x, x_stride, M, K);
   const int64_t groups = (M + 15) / 16, blocks = (N + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rows(kBlockRows * K);
     alignas(64) float tile[kTileRows][16];
     for (int64_t b = begin; b < end; b++) {
@@ -631,7 +632,7 @@ at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_featur
     out = at::empty({blocks.size(0), row_bytes}, blocks.options());
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
-    at::parallel_for(0, blocks.size(0), 64, [&](int64_t begin, int64_t end) {
+    parallel_for(0, blocks.size(0), 64, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; n++)
         repack_lanes<Base>(src + n * blocks.stride(0), in_features, dst + n * row_bytes);
     });

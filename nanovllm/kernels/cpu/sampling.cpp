@@ -3,6 +3,7 @@
 
 #include "ops.h"
 #include "simd.h"
+#include "thread_pool.h"
 
 #include <ATen/ops/empty.h>
 
@@ -30,7 +31,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures,
   const float* us = uniforms.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     const simd::Vec minus_inf = simd::set1(kMinusInf);
     for (int64_t row = begin; row < end; row++) {
       const float* l = logits.data_ptr<float>() + row * logits.stride(0);
@@ -84,7 +85,7 @@ void mask_disallowed(at::Tensor& logits, const at::Tensor& bitmask) {
               "bitmask: [rows, ceil(vocab / 32)] int32");
   const int64_t n = logits.size(0), V = logits.size(1), words = bitmask.size(1);
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; row++) {
       float* l = logits.data_ptr<float>() + row * logits.stride(0);
       const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()) + row * words;

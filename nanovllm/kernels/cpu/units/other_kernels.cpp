@@ -6,3 +6,4 @@
 #include "../linear.cpp"
 #include "../registration.cpp"
 #include "../sampling.cpp"
+#include "../thread_pool.cpp"
