@@ -5,8 +5,8 @@ Dequantization: bit-exact against gguf-py's reference for every block format the
 The integer path (few rows, x quantized to 16-bit blocks): against the fp32 product of the
 dequantized weight and x, for rows in one pass, in passes split evenly, bf16 and fp32 x, with a
 bias. The dequantizing path (many rows): against the fp32 product, over several panels. Real
-tensors of each type of the default file too. The Lanes layouts (Q8_0, Q4_0 and Q4_1 repacked at
-load): dequantized bit for bit as the file's blocks, and both paths the blocks' own results, for
+tensors of each type of the default file too. The lanes layouts (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+repacked at load): dequantized bit for bit as the file's blocks, and both paths the blocks' own results, for
 rows of whole groups of 256 values, with a tail of blocks, and shorter than a group.
 """
 
@@ -18,7 +18,7 @@ from conftest import GGUF_SCALE_OFFSETS, make_tiny_checkpoint, random_gguf_block
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.quantization.cpu_gguf import LANES_FORMATS, LANES_TYPE_BASE, CPUGGUFLinearMethod
-from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
+from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, block_values
 
 if not cpu_kernels.available():
     pytest.skip("the CPU kernels could not be built here", allow_module_level=True)
@@ -82,14 +82,16 @@ def test_dequantizing_path_is_the_fp32_product(qtype, dtype):
         torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", LANES_FORMATS)
-@pytest.mark.parametrize("in_features", [64, 256, 576, 1536])
+@pytest.mark.parametrize("qtype,in_features", [(qtype, k) for qtype in LANES_FORMATS for k in (64, 256, 576, 1536)
+                                                if k % block_values(qtype) == 0])  # rows of whole blocks
 def test_lanes_layout_is_the_blocks(qtype, in_features):
     n = 37
     blocks = random_blocks(qtype, n, in_features)
     lanes = torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features)
     kind = LANES_TYPE_BASE + BLOCK_TYPES[qtype]
-    assert lanes.shape == blocks.shape and lanes.dtype == torch.uint8
+    # The same bytes a row; Q4_K's scales and minimums a byte each: 148 bytes a block of 256, not 144.
+    row_bytes = in_features // 256 * 148 if qtype == "Q4_K" else blocks.shape[1]
+    assert lanes.shape == (n, row_bytes) and lanes.dtype == torch.uint8
     assert torch.equal(torch.ops.nanovllm_cpu.gguf_dequantize(lanes, kind, in_features),
                        reference_dequantize(blocks, qtype, in_features))
     for m in (1, 2, 5, 10, 40):  # the integer path in one pass, in two; the dequantizing GEMM
@@ -99,22 +101,25 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-def test_lanes_layout_is_for_three_formats_and_the_method_repacks_once():
+@pytest.mark.parametrize("qtype,in_features", [("Q4_1", 576), ("Q4_K", 768), ("Q6_K", 512)])
+def test_the_method_repacks_once_into_lanes(qtype, in_features):
     with pytest.raises(RuntimeError, match="no lanes layout"):
-        torch.ops.nanovllm_cpu.gguf_repack(random_blocks("Q6_K", 2, 256), BLOCK_TYPES["Q6_K"], 256)
-    blocks = random_blocks("Q4_1", 8, 576)
+        torch.ops.nanovllm_cpu.gguf_repack(random_blocks("Q8_0", 2, 256), 6, 256)
+    blocks = random_blocks(qtype, 8, in_features)
     layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(blocks.clone(), requires_grad=False)
-    method = CPUGGUFLinearMethod("Q4_1", torch.float32)
+    method = CPUGGUFLinearMethod(qtype, torch.float32)
+    method.create_weights(layer, in_features, 8, bias=False)
+    layer.weight.data.copy_(blocks)
     method.process_weights_after_loading(layer)
     method.process_weights_after_loading(layer)  # a tied layer's turn: already repacked
-    assert method.kernel_type == LANES_TYPE_BASE + BLOCK_TYPES["Q4_1"]
-    assert torch.equal(layer.weight, torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES["Q4_1"], 576))
-    x = torch.randn(3, 576)
-    torch.testing.assert_close(method.apply(layer, x, None),
-                               torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES["Q4_1"], None, 10))
+    assert method.kernel_type == LANES_TYPE_BASE + BLOCK_TYPES[qtype]
+    assert torch.equal(layer.weight, torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features))
+    x = torch.randn(3, in_features)
+    expected = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 10)
+    torch.testing.assert_close(method.apply(layer, x, None), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
     ids = torch.tensor([5, 0, 7])
-    torch.testing.assert_close(method.embed(layer, ids), reference_dequantize(blocks, "Q4_1", 576)[ids])
+    torch.testing.assert_close(method.embed(layer, ids), reference_dequantize(blocks, qtype, in_features)[ids])
 
 
 def test_a_row_stride_wider_than_the_blocks_and_bad_input():

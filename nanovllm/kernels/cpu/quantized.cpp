@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -154,31 +155,92 @@ struct Lanes {
   static constexpr bool kOffset = Base::kOffset;
   static constexpr bool kWholeRow = true;
   static constexpr bool kMins = Base::kScaleBytes == 4;
+  static constexpr bool kTail = true;  // a row's last K % 256 values stay Base's blocks
   static constexpr int kGroupBytes = 8 * kBytes, kHeaderBytes = 8 * Base::kScaleBytes;
+  static Vec8 scales(const uint8_t* group) { return simd::halves_at(group); }
   // A group's eight offsets, given its scales d: Q4_1's minimums, Q4_0's -8 d (its nibbles are
   // unsigned), none for Q8_0.
   static Vec8 offsets(const uint8_t* group, Vec8 d) {
     if constexpr (kMins) return simd::halves_at(group + 16);
     return kOffset ? simd::mul8(d, simd::set1_8(-8.0f)) : simd::zero8();
   }
-  template <class Visit>
-  static void row_chunks(const uint8_t* row, int64_t K, Visit&& visit) {
-    const int64_t groups = K / 256;
-    for (int64_t g = 0; g < groups; g++) {
-      const uint8_t* group = row + g * kGroupBytes;
-      simd::Quad quads[4];
-      for (int j = 0; j < 4; j++) quads[j] = Base::quad(group + kHeaderBytes, j);
-      Words chunks[8];
-      simd::quads_to_chunks(quads, chunks);
-      float d[8], offset[8];
-      const Vec8 scales = simd::halves_at(group);
-      simd::store8(d, scales);
-      simd::store8(offset, offsets(group, scales));
-      for (int c = 0; c < 8; c++) visit(8 * g + c, chunks[c], simd::set1_8(d[c]), offset[c]);
-    }
-    for (int64_t c = 8 * groups; c < K / 32; c++) Base::chunks(row + c * kBytes, c, visit);
+  static simd::Quad quad(const uint8_t* values, int j) { return Base::quad(values, j); }
+};
+
+// Q4_K repacked at load (repack_q4_k_lanes) for the decode kernel: each block of 256 values as
+// d and dmin (fp16), its eight sub-blocks' 6-bit scales and then their minimums a byte each,
+// then its values as four nibble quads (lane l = sub-block l), 148 bytes instead of 144. A
+// block's scales d * sc and offsets -dmin * m (as the file's blocks give them) come out as one
+// vector each. Type id 1012, this project's (layers/quantization/cpu_gguf.py names it too).
+struct Q4_KLanes {
+  using Base = Q4_K;
+  static constexpr int kType = 1000 + Q4_K::kType, kValues = 256, kBytes = 148;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = true;
+  static constexpr bool kTail = false;
+  static constexpr int kGroupBytes = kBytes, kHeaderBytes = 20;
+  static Vec8 scales(const uint8_t* group) {
+    return simd::mul8(simd::set1_8(simd::two_halves_at(group).first), simd::bytes_at(group + 4));
+  }
+  static Vec8 offsets(const uint8_t* group, Vec8) {
+    return simd::mul8(simd::set1_8(-simd::two_halves_at(group).second), simd::bytes_at(group + 12));
+  }
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
+};
+
+// Q6_K repacked at load (repack_q6_k_lanes): each block of 256 values as d (fp16), its sixteen
+// int8 scales, those of the chunks' first halves (sub-blocks 0, 2, .., 14) and then of their
+// second halves, then its values' low four bits as four nibble quads and their top two bits in
+// 64 bytes (vectors 0-7, then 8-15; simd::six_bit_quad), 210 bytes as the file's. Vectors 0-7
+// hold the chunks' first 16 values, 8-15 the rest: their sums, kept apart, meet one vector of
+// scales each. Type id 1014, this project's.
+struct Q6_KLanes {
+  using Base = Q6_K;
+  static constexpr int kType = 1000 + Q6_K::kType, kValues = 256, kBytes = 210;
+  static constexpr bool kScalePer16 = true;
+  static constexpr bool kOffset = false;
+  static constexpr bool kWholeRow = true;
+  static constexpr bool kTail = false;
+  static constexpr int kGroupBytes = kBytes, kHeaderBytes = 18;
+  static Vec8 scales(const uint8_t* group) { return scaled(group, 2); }        // the chunks' first halves
+  static Vec8 high_scales(const uint8_t* group) { return scaled(group, 10); }  // their second halves
+  static Vec8 offsets(const uint8_t*, Vec8) { return simd::zero8(); }
+  static simd::Quad quad(const uint8_t* values, int j) {
+    const uint8_t* crumbs = values + 128 + 32 * (j / 2);
+    return j % 2 == 0 ? simd::six_bit_quad<0>(values + 32 * j, crumbs) : simd::six_bit_quad<4>(values + 32 * j, crumbs);
+  }
+
+ private:
+  static Vec8 scaled(const uint8_t* group, int at) {
+    return simd::mul8(simd::set1_8(half_at(group)), simd::signed_bytes_at(group + at));
   }
 };
+
+// A row of a lanes format (Lanes<Base>, Q4_KLanes or Q6_KLanes) visited chunk by chunk, as for_each_chunk.
+template <class F, class Visit>
+void lanes_row_chunks(const uint8_t* row, int64_t K, Visit&& visit) {
+  const int64_t groups = K / 256;
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* group = row + g * F::kGroupBytes;
+    simd::Quad quads[4];
+    for (int j = 0; j < 4; j++) quads[j] = F::quad(group + F::kHeaderBytes, j);
+    Words chunks[8];
+    simd::quads_to_chunks(quads, chunks);
+    float d[8], d_high[8], offset[8];
+    const Vec8 scales = F::scales(group);
+    simd::store8(d, scales);
+    simd::store8(offset, F::offsets(group, scales));
+    if constexpr (F::kScalePer16) {
+      simd::store8(d_high, F::high_scales(group));
+      for (int c = 0; c < 8; c++) visit(8 * g + c, chunks[c], simd::halves(d[c], d_high[c]), offset[c]);
+    } else {
+      for (int c = 0; c < 8; c++) visit(8 * g + c, chunks[c], simd::set1_8(d[c]), offset[c]);
+    }
+  }
+  if constexpr (F::kTail)
+    for (int64_t c = 8 * groups; c < K / 32; c++) F::Base::chunks(row + c * F::kBytes, c, visit);
+}
 
 // A row of K values of the base format in its Lanes layout.
 template <class Base>
@@ -214,10 +276,73 @@ void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
   std::memcpy(dst + groups * F::kGroupBytes, src + groups * F::kGroupBytes, (K / 32 - 8 * groups) * F::kBytes);
 }
 
+// A row of K values of Q4_K in the Q4_KLanes layout.
+void repack_q4_k_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
+  for (int64_t g = 0; g < K / 256; g++) {
+    const uint8_t* block = src + g * Q4_K::kBytes;
+    uint8_t* group = dst + g * Q4_KLanes::kBytes;
+    std::memcpy(group, block, 4);
+    for (int c = 0; c < 8; c++) std::tie(group[4 + c], group[12 + c]) = Q4_K::scale_min(block + 4, c);
+    // Sub-block c's value v: the low (c even) or high nibble of byte 32 (c / 2) + v. The quads
+    // as repack_lanes lays them: byte 4c + 2p + b of quad j holds values 8j + 4b + p and that + 2.
+    const uint8_t* qs = block + 16;
+    const auto value = [&](int c, int v) { return (qs[32 * (c / 2) + v] >> (4 * (c % 2))) & 0x0f; };
+    uint8_t* values = group + Q4_KLanes::kHeaderBytes;
+    for (int j = 0; j < 4; j++)
+      for (int c = 0; c < 8; c++)
+        for (int p = 0; p < 2; p++)
+          for (int b = 0; b < 2; b++) {
+            const int v = 8 * j + 4 * b + p;
+            values[32 * j + 4 * c + 2 * p + b] = uint8_t(value(c, v) | value(c, v + 2) << 4);
+          }
+  }
+}
+
+// A row of K values of Q6_K in the Q6_KLanes layout.
+void repack_q6_k_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
+  for (int64_t g = 0; g < K / 256; g++) {
+    const uint8_t* block = src + g * Q6_K::kBytes;
+    uint8_t* group = dst + g * Q6_KLanes::kBytes;
+    std::memcpy(group, block + 208, 2);
+    for (int c = 0; c < 8; c++) {
+      group[2 + c] = block[192 + 2 * c];
+      group[10 + c] = block[192 + 2 * c + 1];
+    }
+    // Value v of the block (0-63), as ggml lays out a half of 128: ql's low nibbles hold values
+    // 0-31 and (the next 32 bytes) 32-63, their high nibbles 64-127; qh's 32 bytes, two bits of
+    // each in turn for the four runs of 32.
+    uint8_t q[256];
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* ql = block + 64 * h;
+      const uint8_t* qh = block + 128 + 32 * h;
+      for (int l = 0; l < 32; l++)
+        for (int run = 0; run < 4; run++)
+          q[128 * h + 32 * run + l] = uint8_t(((ql[l + 32 * (run % 2)] >> (4 * (run / 2))) & 0x0f) |
+                                              (((qh[l] >> (2 * run)) & 3) << 4));
+    }
+    uint8_t* values = group + Q6_KLanes::kHeaderBytes;
+    // Low nibbles as repack_lanes lays a nibble quad out (byte 4c + 2p + b of quad j: chunk c's
+    // values 8j + 4b + p and that + 2); the top bits of vector r (values 2r + p of chunk c) in
+    // bits 2 (r % 8) of word 2c + p of the run of 32 bytes r / 8.
+    for (int j = 0; j < 4; j++)
+      for (int c = 0; c < 8; c++)
+        for (int p = 0; p < 2; p++)
+          for (int b = 0; b < 2; b++) {
+            const int v = 32 * c + 8 * j + 4 * b + p;
+            values[32 * j + 4 * c + 2 * p + b] = uint8_t((q[v] & 0x0f) | (q[v + 2] & 0x0f) << 4);
+          }
+    uint16_t* top = reinterpret_cast<uint16_t*>(values + 128);
+    std::memset(top, 0, 64);
+    for (int r = 0; r < 16; r++)
+      for (int c = 0; c < 8; c++)
+        for (int p = 0; p < 2; p++) top[16 * (r / 8) + 2 * c + p] |= uint16_t((q[32 * c + 2 * r + p] >> 4) << (2 * (r % 8)));
+  }
+}
+
 template <class F, class Visit>
 inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
   if constexpr (F::kWholeRow)
-    F::row_chunks(row, K, visit);
+    lanes_row_chunks<F>(row, K, visit);
   else
     for (int64_t b = 0; b < K / F::kValues; b++) F::chunks(row + b * F::kBytes, b * (F::kValues / 32), visit);
 }
@@ -358,7 +483,6 @@ constexpr int kPrefetchAhead = 2048;
 template <class F, int P>
 void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K, const QuantizedRows& x,
                     int64_t m0, float* out) {
-  using Base = typename F::Base;
   const int64_t groups = K / 256, C = K / 32;
   for (int64_t r = 0; r < rows; r++) {
     const uint8_t* row = w + r * w_stride;
@@ -368,31 +492,41 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
     for (int64_t g = 0; g < groups; g++) {
       const uint8_t* group = row + g * F::kGroupBytes;
       for (int line = 0; line < F::kGroupBytes; line += 64) simd::prefetch(group + kPrefetchAhead + line);
-      simd::Sums sums[P];
+      // With a scale per 16 values, quads 2 and 3 (the chunks' values 16-31) sum apart.
+      simd::Sums sums[P], high_sums[F::kScalePer16 ? P : 1];
       for (int m = 0; m < P; m++) sums[m] = simd::zero_sums();
+      if constexpr (F::kScalePer16)
+        for (int m = 0; m < P; m++) high_sums[m] = simd::zero_sums();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; j++) {
-        const simd::Quad quad = Base::quad(group + F::kHeaderBytes, j);
+        const simd::Quad quad = F::quad(group + F::kHeaderBytes, j);
 #pragma GCC unroll 8
-        for (int m = 0; m < P; m++) sums[m] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, sums[m]);
+        for (int m = 0; m < P; m++) {
+          simd::Sums& s = F::kScalePer16 && j >= 2 ? high_sums[F::kScalePer16 ? m : 0] : sums[m];
+          s = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, s);
+        }
       }
-      const Vec8 d = simd::halves_at(group);
+      const Vec8 d = F::scales(group);
 #pragma GCC unroll 8
       for (int m = 0; m < P; m++) {
         const int64_t xc = (m0 + m) * C + 8 * g;
-        acc[m] = simd::fmadd8(simd::to_float(sums[m]), simd::mul8(d, simd::load8(&x.scale[xc])), acc[m]);
+        const Vec8 xs = simd::load8(&x.scale[xc]);
+        acc[m] = simd::fmadd8(simd::to_float(sums[m]), simd::mul8(d, xs), acc[m]);
+        if constexpr (F::kScalePer16)
+          acc[m] = simd::fmadd8(simd::to_float(high_sums[m]), simd::mul8(F::high_scales(group), xs), acc[m]);
         if constexpr (F::kOffset) offsets[m] = simd::fmadd8(F::offsets(group, d), simd::load8(&x.sum[xc]), offsets[m]);
       }
     }
-    for (int64_t c = 8 * groups; c < C; c++)
-      Base::chunks(row + c * F::kBytes, c, [&](int64_t, Words q, Vec8 scale, float offset) {
-        for (int m = 0; m < P; m++) {
-          const int64_t xc = (m0 + m) * C + c;
-          const simd::Sums dot = simd::dot(q, simd::load_words(x.values(m0 + m, c)));
-          acc[m] = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc[m]);
-          tail_offsets[m] += offset * x.sum[xc];
-        }
-      });
+    if constexpr (F::kTail)
+      for (int64_t c = 8 * groups; c < C; c++)
+        F::Base::chunks(row + c * F::kBytes, c, [&](int64_t, Words q, Vec8 scale, float offset) {
+          for (int m = 0; m < P; m++) {
+            const int64_t xc = (m0 + m) * C + c;
+            const simd::Sums dot = simd::dot(q, simd::load_words(x.values(m0 + m, c)));
+            acc[m] = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc[m]);
+            tail_offsets[m] += offset * x.sum[xc];
+          }
+        });
     for (int m = 0; m < P; m++) out[r * P + m] = simd::reduce_add8(simd::add8(acc[m], offsets[m])) + tail_offsets[m];
   }
 }
@@ -561,6 +695,8 @@ void with_format(int64_t type, Body&& body) {
     case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
     case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
     case Lanes<Q4_1>::kType: return body(Lanes<Q4_1>{});
+    case Q4_KLanes::kType: return body(Q4_KLanes{});
+    case Q6_KLanes::kType: return body(Q6_KLanes{});
   }
   TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), "
               "Q6_K (14)");
@@ -625,25 +761,27 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_fe
 
 at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_features) {
   at::Tensor out;
-  const auto repack = [&](auto format) {
+  // Each row of `format` (the file's) into `lanes`'s layout by repack_row.
+  const auto repack = [&](auto format, auto lanes, auto repack_row) {
     using Base = decltype(format);
     check_blocks<Base>(blocks, in_features);
-    const int64_t row_bytes = in_features / 32 * Base::kBytes;
+    const int64_t row_bytes = in_features / decltype(lanes)::kValues * decltype(lanes)::kBytes;
     out = at::empty({blocks.size(0), row_bytes}, blocks.options());
     const uint8_t* src = blocks.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     parallel_for(0, blocks.size(0), 64, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; n++)
-        repack_lanes<Base>(src + n * blocks.stride(0), in_features, dst + n * row_bytes);
+      for (int64_t n = begin; n < end; n++) repack_row(src + n * blocks.stride(0), in_features, dst + n * row_bytes);
     });
   };
   switch (type) {
-    case Q8_0::kType: repack(Q8_0{}); break;
-    case Q4_0::kType: repack(Q4_0{}); break;
-    case Q4_1::kType: repack(Q4_1{}); break;
+    case Q8_0::kType: repack(Q8_0{}, Lanes<Q8_0>{}, repack_lanes<Q8_0>); break;
+    case Q4_0::kType: repack(Q4_0{}, Lanes<Q4_0>{}, repack_lanes<Q4_0>); break;
+    case Q4_1::kType: repack(Q4_1{}, Lanes<Q4_1>{}, repack_lanes<Q4_1>); break;
+    case Q4_K::kType: repack(Q4_K{}, Q4_KLanes{}, repack_q4_k_lanes); break;
+    case Q6_K::kType: repack(Q6_K{}, Q6_KLanes{}, repack_q6_k_lanes); break;
     default:
-      TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3) and Q8_0 (8) "
-                  "have");
+      TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3), Q8_0 (8), "
+                  "Q4_K (12) and Q6_K (14) have");
   }
   return out;
 }

@@ -462,6 +462,26 @@ inline Quad byte_quad(const uint8_t* p) {
   for (int k = 0; k < 4; k++) q.v[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p + k));
   return q;
 }
+// Six-bit values less 32: a nibble quad's low four bits, and the top two from 32 bytes whose
+// words carry eight vectors' two bits each (vector k in bits 2k, 2k + 1), of which this quad's
+// four start at vector `first` (0 or 4).
+template <int first>
+inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs) {
+  const Quad low = nibble_quad(nibbles);
+  const __m256i top = _mm256_loadu_si256((const __m256i*)crumbs), mask = _mm256_set1_epi16(0x30);
+  const __m256i bias = _mm256_set1_epi16(32);
+  Quad q;
+  // vector first + k's two bits moved to bits 4 and 5
+  q.v[0] = _mm256_sub_epi16(_mm256_or_si256(low.v[0], _mm256_and_si256(
+      first == 0 ? _mm256_slli_epi16(top, 4) : _mm256_srli_epi16(top, 4), mask)), bias);
+  q.v[1] = _mm256_sub_epi16(_mm256_or_si256(low.v[1], _mm256_and_si256(
+      first == 0 ? _mm256_slli_epi16(top, 2) : _mm256_srli_epi16(top, 6), mask)), bias);
+  q.v[2] = _mm256_sub_epi16(_mm256_or_si256(low.v[2], _mm256_and_si256(
+      first == 0 ? top : _mm256_srli_epi16(top, 8), mask)), bias);
+  q.v[3] = _mm256_sub_epi16(_mm256_or_si256(low.v[3], _mm256_and_si256(_mm256_srli_epi16(top, 2 * first + 2), mask)),
+                            bias);
+  return q;
+}
 // s plus the quad's products with its 64 words of x (laid out as the quad is).
 #if defined(NANOVLLM_SIMD_AVX512)
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
@@ -509,6 +529,13 @@ inline void quads_to_chunks(const Quad q[4], Words out[8]) {
 // Eight fp16 values converted.
 inline Vec8 halves_at(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 inline Vec8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+// Eight unsigned (or signed) bytes converted.
+inline Vec8 bytes_at(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)))};
+}
+inline Vec8 signed_bytes_at(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)))};
+}
 inline Sums zero_sums() { return {_mm256_setzero_si256()}; }
 // The 32 values as four groups of eight fp32 lanes.
 inline void widen_block(Words q, Vec8 out[4]) {
@@ -625,6 +652,15 @@ inline Quad byte_quad(const uint8_t* p) {
     for (int i = 0; i < 16; i++) q.v[k][i] = int8_t(p[16 * k + i]);
   return q;
 }
+template <int first>
+inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs) {
+  Quad q = nibble_quad(nibbles);
+  for (int i = 0; i < 16; i++) {
+    const int word = crumbs[2 * i] | crumbs[2 * i + 1] << 8;
+    for (int k = 0; k < 4; k++) q.v[k][i] = int16_t((q.v[k][i] | ((word >> (2 * (first + k))) & 3) << 4) - 32);
+  }
+  return q;
+}
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   for (int k = 0; k < 4; k++)
     for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(q.v[k][i]) * x[16 * k + i];
@@ -660,6 +696,8 @@ inline Vec8 halves_at(const uint8_t* p) {
   return map8([&](int j) { return half_to_float(h[j]); });
 }
 inline Vec8 load8(const float* p) { return map8([&](int j) { return p[j]; }); }
+inline Vec8 bytes_at(const uint8_t* p) { return map8([&](int j) { return float(p[j]); }); }
+inline Vec8 signed_bytes_at(const uint8_t* p) { return map8([&](int j) { return float(int8_t(p[j])); }); }
 inline std::pair<float, float> two_halves_at(const uint8_t* p) {
   uint16_t h[2];
   std::memcpy(h, p, 4);

@@ -5,8 +5,9 @@ dequantized a few at a time into cache.
 
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
 weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). Once
-loaded, Q8_0, Q4_0 and Q4_1 rows are repacked into the kernels' Lanes layout (the same bytes a
-row, the decode kernel's fastest): from then on the kernels take the layout's own type id. An
+loaded, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows are repacked into the kernels' lanes layouts (a group of
+eight 32-value chunks' sums in one vector's lanes; the same bytes a row, or for Q4_K 148 bytes a
+256-value block instead of 144): from then on the kernels take the layout's own type id. An
 embedding looks up rows of blocks and dequantizes only those.
 """
 
@@ -14,13 +15,13 @@ import torch
 from torch import nn
 
 from nanovllm.layers.quantization.base import LinearMethod
-from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes, row_values
+from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
 # Rows up to which the integer kernel runs; above, the dequantizing GEMM (benchmarks/RESULTS.md).
 MAX_INTEGER_ROWS = 10
-# The formats repacked into the Lanes layout at load, and its type ids: 1000 + the GGML type's
-# (kernels/cpu/quantized.cpp's Lanes).
-LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+# The formats repacked into a lanes layout at load, and its type ids: 1000 + the GGML type's
+# (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes and Q6_KLanes).
+LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 LANES_TYPE_BASE = 1000
 
 
@@ -33,6 +34,7 @@ class CPUGGUFLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         """The blocks parameter (a bias, when there is one, stays the layer's dense parameter)."""
+        self.in_features = input_size  # a repacked row's bytes may not say it
         blocks = torch.empty(output_size, row_bytes(self.qtype, input_size), dtype=torch.uint8)
         layer.weight = nn.Parameter(blocks, requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
@@ -55,8 +57,7 @@ class CPUGGUFLinearMethod(LinearMethod):
         # A tied embedding and LM head share this method and their weight: repacked once.
         if self.qtype not in LANES_FORMATS or self.kernel_type != self.type_id:
             return
-        in_features = row_values(self.qtype, layer.weight.shape[1])
-        layer.weight.data = torch.ops.nanovllm_cpu.gguf_repack(layer.weight, self.type_id, in_features)
+        layer.weight.data = torch.ops.nanovllm_cpu.gguf_repack(layer.weight, self.type_id, self.in_features)
         self.kernel_type = LANES_TYPE_BASE + self.type_id
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,5 +76,5 @@ class CPUGGUFLinearMethod(LinearMethod):
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
-        values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.kernel_type, row_values(self.qtype, rows.shape[1]))
+        values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.kernel_type, self.in_features)
         return values.to(self.dtype).view(*ids.shape, -1)
