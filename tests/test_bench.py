@@ -1,13 +1,21 @@
 """`nanovllm bench`: its workloads are the ones specified, and a run prints both engines'
-figures with their ratios and draws the concurrency plot. Speed itself is never asserted
-here: a benchmark is not a test."""
+figures with their ratios and draws the concurrency plot; a twin (bench_twins) has its shape's
+tensors, loads in both engines and is cached; the W2 table's bandwidth bound; the contention
+neighbour ends with the run. Speed itself is never asserted here: a benchmark is not a test."""
 
 import argparse
+import dataclasses
+import math
+import os
 import random
+import re
+import sys
+import time
 
 import pytest
 
-from nanovllm.entrypoints import bench
+from nanovllm.entrypoints import bench, bench_llama_cpp, bench_twins
+from nanovllm.loader.gguf import gguf_block_types, iter_gguf_weights, load_gguf_config
 
 
 def test_workloads_are_drawn_as_specified():
@@ -66,3 +74,160 @@ def test_bench_structured_w1_against_plain(tiny_checkpoint, small_workloads, cap
     table = capsys.readouterr().out.split("W1-JSON structured outputs")[1]
     rows = [line[2:18].strip() for line in table.splitlines()[2:] if line.strip()]
     assert rows == ["W1", "W1-JSON", "W1-JSON / W1"]
+
+
+# --- random-weight twins (bench_twins), the bandwidth bound, contention ---------------------------
+
+TINY_TWINS = {  # the table's fields at a test's size; qwen3's head_dim is not hidden / heads
+    "tiny-llama": bench_twins.TwinShape("llama", 64, 128, 2, 4, 2, 16, 320, 10000.0, 1e-5, 256, True),
+    "tiny-qwen2": bench_twins.TwinShape("qwen2", 64, 128, 2, 4, 2, 16, 320, 10000.0, 1e-6, 256, True),
+    "tiny-qwen3": bench_twins.TwinShape("qwen3", 64, 128, 2, 4, 2, 32, 320, 10000.0, 1e-6, 256, False),
+}
+
+
+@pytest.fixture
+def twin_cache(tmp_path, monkeypatch):
+    """The tiny shapes in the table, the user cache in a temporary directory."""
+    for name, shape in TINY_TWINS.items():
+        monkeypatch.setitem(bench_twins.SHAPES, name, shape)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "nanovllm" / "bench-twins"
+
+
+@pytest.mark.parametrize("name", TINY_TWINS)
+def test_a_twin_has_its_shape_and_runs_in_the_engine(twin_cache, name):
+    from nanovllm import LLM, SamplingParams
+    shape = TINY_TWINS[name]
+    path = bench_twins.build_twin(bench_twins.parse_twin(f"{name}:F16"))
+    assert path == str(twin_cache / f"{name}-F16.gguf") and os.listdir(twin_cache) == [f"{name}-F16.gguf"]
+    config = load_gguf_config(path)
+    assert config.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                     "qwen3": "Qwen3ForCausalLM"}[shape.architecture]]
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.vocab_size, config.rope_parameters["rope_theta"],
+            config.rms_norm_eps, config.max_position_embeddings, config.tie_word_embeddings) == \
+        pytest.approx(dataclasses.astuple(shape)[1:])  # the file's floats are float32
+    weights = dict(iter_gguf_weights(path))
+    hidden, q, kv = shape.hidden_size, shape.num_attention_heads * shape.head_dim, 2 * shape.head_dim
+    layer = {"self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+             "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+             "mlp.gate_proj.weight": (128, hidden), "mlp.up_proj.weight": (128, hidden),
+             "mlp.down_proj.weight": (hidden, 128), "input_layernorm.weight": (hidden,),
+             "post_attention_layernorm.weight": (hidden,)}
+    layer |= {"qwen2": {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)},
+              "qwen3": {"self_attn.q_norm.weight": (32,), "self_attn.k_norm.weight": (32,)}}.get(shape.architecture, {})
+    expected = {"model.embed_tokens.weight": (320, hidden), "model.norm.weight": (hidden,)}
+    expected |= {} if shape.tie_word_embeddings else {"lm_head.weight": (320, hidden)}
+    expected |= {f"model.layers.{i}.{k}": v for i in range(2) for k, v in layer.items()}
+    assert {k: tuple(w.shape) for k, w in weights.items()} == expected
+    assert 0.015 < weights["model.layers.1.mlp.up_proj.weight"].std() < 0.025  # random, not zeros
+    llm = LLM(path, dtype="float32", enforce_eager=True, num_kvcache_blocks=16, max_model_len=64)
+    assert len(llm.llm_engine.tokenizer) == 320
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_quantized_twin_loads_in_both_engines_and_is_reused(twin_cache, monkeypatch):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = bench_twins.build_twin(bench_twins.parse_twin("tiny-qwen3:Q8_0"))
+    assert sorted(os.listdir(twin_cache)) == ["tiny-qwen3-F16.gguf", "tiny-qwen3-Q8_0.gguf"]  # no partial left
+    assert set(gguf_block_types(path).values()) == {"Q8_0"}  # every matrix quantized to the type asked
+    load_gguf_config(path)
+    model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+    assert model and llama_cpp.llama_model_n_params(model) > 0
+    llama_cpp.llama_model_free(model)
+    monkeypatch.setattr(bench_twins, "quantize", None)  # a second build must not call it
+    monkeypatch.setattr(bench_twins, "write_f16_twin", None)
+    assert bench_twins.build_twin(bench_twins.parse_twin("tiny-qwen3:Q8_0")) == path
+
+
+def test_a_failed_write_leaves_no_file(twin_cache, monkeypatch):
+    def fail(shape, path):
+        open(path, "wb").write(b"half a file")
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(bench_twins, "write_f16_twin", fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        bench_twins.build_twin(bench_twins.parse_twin("tiny-llama:F16"))
+    assert os.listdir(twin_cache) == []
+
+
+def test_twins_are_cached_by_shape_and_type(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    twin = bench_twins.parse_twin("qwen3-0.6b:Q4_K_M")
+    assert twin == bench_twins.Twin("qwen3-0.6b", "Q4_K_M")
+    assert bench_twins.twin_path(twin) == str(tmp_path / "nanovllm" / "bench-twins" / "qwen3-0.6b-Q4_K_M.gguf")
+
+
+def test_the_shapes_are_the_real_models():
+    # Each model's published parameter count (safetensors' total, the tied embedding once).
+    real = {"smollm2-135m": 134_515_008, "smollm2-1.7b": 1_711_376_384, "qwen3-0.6b": 596_049_920,
+            "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768}
+    assert {name: sum(map(math.prod, bench_twins.tensor_shapes(shape).values()))
+            for name, shape in bench_twins.SHAPES.items()} == real
+    shapes = bench_twins.tensor_shapes(bench_twins.SHAPES["qwen2.5-0.5b"])
+    assert shapes["blk.23.attn_k.bias"] == (128,) and shapes["token_embd.weight"] == (151936, 896)
+    assert "output.weight" not in shapes  # tied
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("qwen9-1t:Q4_K_M", "unknown twin shape 'qwen9-1t'; shapes: smollm2-135m, smollm2-1.7b, qwen3-0.6b"),
+    ("qwen3-0.6b:Q3_K_Z", "unknown twin type 'Q3_K_Z' (SHAPE:TYPE); types: F16, Q4_K_M, Q4_0"),
+    ("qwen3-0.6b", "unknown twin type ''"),
+])
+def test_unknown_twins_are_answered_with_the_list(spec, message, capsys):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        bench_twins.parse_twin(spec)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--twin", spec])
+    assert message in capsys.readouterr().err
+
+
+def test_twin_and_contention_parse():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--twin", "qwen3-0.6b:Q4_K_M", "--contention"])
+    assert args.twin == bench_twins.Twin("qwen3-0.6b", "Q4_K_M") and args.contention
+    args = parser.parse_args([])
+    assert args.twin is None and not args.contention
+
+
+def test_without_llama_cpp_the_errors_say_what_to_install(twin_cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # its import fails
+    with pytest.raises(SystemExit, match="--twin tiny-llama:Q4_K_M needs llama-cpp-python: pip install"):
+        bench_twins.build_twin(bench_twins.parse_twin("tiny-llama:Q4_K_M"))
+    assert not twin_cache.exists()  # checked before the F16 file is written
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--contention needs llama-cpp-python"):
+        bench.main(parser.parse_args(["--contention"]))
+
+
+def test_the_w2_table_gives_each_decode_rate_share_of_the_bound(tmp_path, capsys):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 1000)
+    bound = bench.decode_bound_tok_s(str(model), 2e-4)  # 200 kB/s over 1 kB: 200 tok/s
+    assert bound == pytest.approx(200) and bench.decode_bound_tok_s(str(tmp_path), 2e-4) is None
+    bench.print_latency({"nano-vllm": bench.Latency(0.1, 150.0), "llama.cpp": bench.Latency(0.1, 100.0)}, bound)
+    out = capsys.readouterr().out
+    assert [line.split() for line in out.splitlines()[3:6]] == [
+        ["nano-vllm", "0.100", "150.0", "75%"], ["llama.cpp", "0.100", "100.0", "50%"],
+        ["vs", "llama.cpp", "1.00x", "1.50x"]]
+    assert "bound: 200.0 tok/s" in out and "caches" not in out
+    bench.print_latency({"nano-vllm": bench.Latency(0.1, 300.0)}, bound)
+    out = capsys.readouterr().out  # a rate past the bound is shown, and said to come from the caches
+    assert "150%" in out and "above it, part of the file stays in the CPU's caches" in out
+    assert bench.read_bandwidth_gbs() > 0
+
+
+def test_the_contention_neighbour_runs_and_is_gone_after(twin_cache):
+    pytest.importorskip("llama_cpp")
+    path = bench_twins.build_twin(bench_twins.parse_twin("tiny-llama:Q8_0"))
+    with pytest.raises(RuntimeError, match="the run failed"):
+        with bench_llama_cpp.busy_neighbour(path, 1) as pid:
+            time.sleep(0.5)
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().split()[2] in "RSD"  # running (or between tokens), not exited
+            raise RuntimeError("the run failed")
+    assert not os.path.exists(f"/proc/{pid}")  # terminated and reaped, even on the error

@@ -14,9 +14,18 @@ workload gets one untimed warm-up. The engine runs without prefix caching by def
 and repeats reuse prompts, and a cache hit would time the cache, not the model. Transformers
 runs W1 the way its users batch: one left-padded `generate` over all concurrent requests,
 running to the longest `max_tokens`; only the requested tokens count as output.
+
+`--twin SHAPE:TYPE` runs a random-weight twin of a real model (bench_twins) instead of --model.
+The machine line gives the read bandwidth (a sum over a 1 GiB buffer on the engine's threads);
+with a GGUF file, W2 gives each decode rate's share of the bound it sets: a decode step reads
+about the whole file (every weight once, the tied embedding as the output head), so an engine
+reading it from memory decodes no faster than bandwidth / file size (a file not much larger than
+the CPU's caches can pass it). `--contention` runs the workloads beside a busy llama.cpp
+neighbour (bench_llama_cpp); the bandwidth is measured before it starts.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import platform
@@ -28,12 +37,17 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.entrypoints.bench_llama_cpp import busy_neighbour, import_llama_cpp
+from nanovllm.entrypoints.bench_twins import SHAPES, TYPES, build_twin, parse_twin
 from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
+from nanovllm.loader.default_model import DEFAULT_MODEL_ALIAS
 
 W1_NUM_REQUESTS = 64
 W2_PROMPT_LEN = W2_OUTPUT_LEN = 128
 W2_REPEATS = 5
 PLOT_CONCURRENCY = (1, 4, 16, 64)
+BANDWIDTH_BUFFER_BYTES = 1 << 30  # far past the caches, so the sum reads memory
+BANDWIDTH_PASSES = 5
 # An array of records with strings, numbers, an enum and a nested array: structure and free text
 # alike. It cannot close within W1's 256 tokens (minItems), so every request still produces its
 # max_tokens and the run differs from plain W1 by the constraint alone.
@@ -216,6 +230,21 @@ def machine_summary() -> str:
     return f"{name} ({isa}), {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+def read_bandwidth_gbs() -> float:
+    """GB/s a sum over a 1 GiB buffer reads, the best of a few passes, on torch's threads (the
+    engine's, once it has started)."""
+    buffer = torch.ones(BANDWIDTH_BUFFER_BYTES // 4)  # written, so no pass pays for first touches
+    return BANDWIDTH_BUFFER_BYTES / min(_timed(buffer.sum) for _ in range(BANDWIDTH_PASSES)) / 1e9
+
+
+def decode_bound_tok_s(model_path: str, bandwidth_gbs: float) -> float | None:
+    """The decode rate of reading the GGUF file's bytes once a token at `bandwidth_gbs` (None
+    for a Hugging Face directory, whose weights the engines may hold in another dtype)."""
+    if not model_path.endswith(".gguf"):
+        return None
+    return bandwidth_gbs * 1e9 / os.path.getsize(model_path)
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "-"
 
@@ -248,14 +277,24 @@ def print_structured(plain: Throughput, structured: Throughput, workload: Worklo
     _print_throughputs({"W1": plain, "W1-JSON": structured}, {"W1-JSON / W1": (structured, plain)})
 
 
-def print_latency(results: dict[str, Latency]) -> None:
+def print_latency(results: dict[str, Latency], bound_tok_s: float | None = None) -> None:
+    """The W2 table; with `bound_tok_s`, each decode rate's share of it too."""
     print(f"\nW2 latency: 1 request, {W2_PROMPT_LEN} prompt tokens, {W2_OUTPUT_LEN} greedy output tokens "
           f"(median of {W2_REPEATS})")
+    columns = [("TTFT s", 9), ("decode tok/s", 15)]
     rows = {name: [f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.1f}"] for name, r in results.items()}
+    if bound_tok_s:
+        columns.append(("of bound", 10))
+        for name, r in results.items():
+            rows[name].append(f"{r.decode_tok_s / bound_tok_s:.0%}")
     (_, nano), *others = results.items()
     for name, other in others:  # speed-ups: the other's TTFT over ours, our decode rate over theirs
         rows[f"vs {name}"] = [_ratio(other.ttft_s, nano.ttft_s), _ratio(nano.decode_tok_s, other.decode_tok_s)]
-    _print_table([("TTFT s", 9), ("decode tok/s", 15)], rows)
+    _print_table(columns, rows)
+    if bound_tok_s:
+        above = any(r.decode_tok_s > bound_tok_s for r in results.values())
+        print(f"  bound: {bound_tok_s:.1f} tok/s, the read bandwidth over the model file's size"
+              + ("; above it, part of the file stays in the CPU's caches" if above else ""))
 
 
 def plot_concurrency(runners: list, workload: Workload, path: str) -> None:
@@ -291,22 +330,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama-cpp-python)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot output tok/s against 1, 4, 16 and 64 concurrent requests")
+    parser.add_argument("--twin", metavar="SHAPE:TYPE", type=parse_twin,
+                        help="instead of --model, a random-weight twin of a real model, written once to the user "
+                             "cache (TYPEs other than F16 quantized by llama-cpp-python); shapes: "
+                             f"{', '.join(SHAPES)}; types: {', '.join(TYPES)}")
+    parser.add_argument("--contention", action="store_true",
+                        help="run the workloads beside a busy neighbour: llama.cpp decoding the same GGUF file "
+                             "on as many threads, in another process (needs llama-cpp-python)")
     add_engine_arguments(parser)
     # Repeated prompts would hit the prefix cache and time the cache instead of the model.
     parser.set_defaults(enable_prefix_caching=False)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.twin:
+        if args.model != DEFAULT_MODEL_ALIAS:
+            raise SystemExit("error: --twin runs its own file instead of --model; give one of them")
+        args.model = build_twin(args.twin)
+    if args.contention:
+        import_llama_cpp("--contention")  # before minutes of start-up, not after
     nano = NanoRunner(engine_kwargs(args))
+    model_path = nano.llm.llm_engine.config.model_path
+    if args.contention and not model_path.endswith(".gguf"):
+        raise SystemExit(f"error: --contention runs llama.cpp on a GGUF file; {model_path} is not one")
     runners = [nano]
     if "transformers" in args.compare:
         runners.append(TransformersRunner(args.model, nano.llm.llm_engine.config.torch_dtype))
     if "llama.cpp" in args.compare:
-        runners.append(llama_cpp_runner(nano.llm.llm_engine.config.model_path))
-    print(machine_summary())
+        runners.append(llama_cpp_runner(model_path))
+    bandwidth = read_bandwidth_gbs()  # before the neighbour starts: the machine's own figure
+    print(f"{machine_summary()}, read bandwidth {bandwidth:.1f} GB/s")
     for runner in runners:
         compiled = f", of which compile {runner.compile_s:.1f} s" if runner.compile_s else ""
         print(f"{runner.name}: {runner.dtype}, start-up {runner.startup_s:.1f} s{compiled}")
+    with contextlib.ExitStack() as neighbour:
+        if args.contention:
+            pid = neighbour.enter_context(busy_neighbour(model_path, torch.get_num_threads()))
+            print(f"contention: llama.cpp decoding {os.path.basename(model_path)} on {torch.get_num_threads()} "
+                  f"threads beside the engines (pid {pid})")
+        run_workloads(args, runners, decode_bound_tok_s(model_path, bandwidth))
+    return 0
+
+
+def run_workloads(args: argparse.Namespace, runners: list, bound_tok_s: float | None) -> None:
+    nano = runners[0]
     workload = throughput_workload()
     if args.workload in ("all", "w1"):
         w1 = {r.name: run_throughput(r, workload) for r in runners}
@@ -316,8 +383,7 @@ def main(args: argparse.Namespace) -> int:
         structured = dataclasses.replace(workload, schema=STRUCTURED_SCHEMA)
         print_structured(plain, run_throughput(nano, structured), structured)
     if args.workload in ("all", "w2"):
-        print_latency({r.name: run_latency(r) for r in runners})
+        print_latency({r.name: run_latency(r) for r in runners}, bound_tok_s)
     if args.plot:
         print("\nconcurrency sweep")
         plot_concurrency(runners, workload, args.plot)
-    return 0

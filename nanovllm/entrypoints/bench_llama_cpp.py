@@ -10,27 +10,49 @@ every running request's next token first, then prompt chunks, logits only where 
 sampled. Tokens are sampled by llama.cpp's own sampler chain (temperature then a seeded draw, or
 greedy), so no numpy runs over the vocabulary. This is how llama.cpp's own batched server and
 `llama-batched-bench` drive it; the high-level `Llama` object runs one sequence at a time.
+
+`--contention` runs a busy neighbour beside the measured engines: another process, llama.cpp's
+high-level `Llama` on the same file and thread count, decoding without pause (`python -m
+nanovllm.entrypoints.bench_llama_cpp FILE THREADS` is that process).
 """
 
+import contextlib
 import ctypes
+import itertools
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 STEP_TOKENS = 2048
+NEIGHBOUR_PROMPT = list(range(1, 33))
+NEIGHBOUR_TOKENS = 128  # a round's output; then the prompt again, so the context never fills
+_quiet_log = None  # llama.cpp's log callback while the bench runs, kept here: C holds its pointer
+
+
+def import_llama_cpp(needed_by: str):
+    """llama-cpp-python's module with its log silenced (it prints every load step and tensor),
+    or a clear error that `needed_by` (a flag) needs it."""
+    global _quiet_log
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise SystemExit(f"error: {needed_by} needs llama-cpp-python: pip install llama-cpp-python "
+                         "(pip builds it from source, several minutes)") from e
+    if _quiet_log is None:
+        _quiet_log = llama_cpp.llama_log_callback(lambda level, text, data: None)
+    llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p())
+    return llama_cpp
 
 
 class LlamaCppRunner:
     name = "llama.cpp"
 
     def __init__(self, gguf_path: str, threads: int, max_sequences: int, tokens_per_sequence: int):
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise SystemExit("error: --compare llama.cpp needs llama-cpp-python: pip install llama-cpp-python "
-                             "(pip builds it from source, several minutes)") from e
+        lib = import_llama_cpp("--compare llama.cpp")
         start = time.perf_counter()
-        self.lib = lib = llama_cpp
-        self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # kept: C holds the pointer
-        lib.llama_log_set(self._quiet, ctypes.c_void_p())
+        self.lib = lib
         lib.llama_backend_init()
         self.model = lib.llama_model_load_from_file(gguf_path.encode(), lib.llama_model_default_params())
         if not self.model:
@@ -106,3 +128,41 @@ class LlamaCppRunner:
                         running.remove(i)
         finally:
             lib.llama_sampler_free(sampler)
+
+
+@contextlib.contextmanager
+def busy_neighbour(gguf_path: str, threads: int) -> Iterator[int]:
+    """The neighbour process (its pid), decoding from its first yield until the block ends,
+    however it ends."""
+    import_llama_cpp("--contention")  # here, not in the child, for the clear error
+    # stdout carries the one "ready" line; stderr is the user's, for a failure's own words.
+    process = subprocess.Popen([sys.executable, "-m", __name__, gguf_path, str(threads)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        if process.stdout.readline().strip() != "ready":
+            raise SystemExit(f"error: the --contention neighbour could not run llama.cpp on {gguf_path}")
+        yield process.pid
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+
+
+def run_neighbour(gguf_path: str, threads: int) -> None:
+    llama_cpp = import_llama_cpp("--contention")
+    parent = os.getppid()
+    llm = llama_cpp.Llama(gguf_path, n_threads=threads, n_threads_batch=threads,
+                          n_ctx=len(NEIGHBOUR_PROMPT) + NEIGHBOUR_TOKENS, verbose=False)
+    print("ready", flush=True)
+    # A bench killed outright never terminates us: a new parent means it is gone.
+    while os.getppid() == parent:
+        for _ in itertools.islice(llm.generate(NEIGHBOUR_PROMPT, top_k=1), NEIGHBOUR_TOKENS):
+            pass
+
+
+if __name__ == "__main__":
+    run_neighbour(sys.argv[1], int(sys.argv[2]))
