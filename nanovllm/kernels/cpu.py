@@ -12,7 +12,7 @@ The extension is compiled through torch's cpp_extension machinery and cached in 
 extensions directory under a name that hashes every source and header with its path, the
 torch version and the variant's flags, so an edit to any of them, an upgrade or another
 variant builds afresh and a warm cache loads in well under a second. The paths of the sources
-and of the Python environment (its interpreter and torch's headers) are in the name because the
+and of the Python environment (sys.prefix and torch's headers) are in the name because the
 build remembers both: two checkouts of the same sources, or two environments using one checkout,
 sharing one build would rebuild it (tens of seconds) at every switch between them. Without a working
 compiler `available()` is False and callers fall back to plain PyTorch.

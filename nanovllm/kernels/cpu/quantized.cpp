@@ -173,7 +173,6 @@ struct Lanes {
 // block's scales d * sc and offsets -dmin * m (as the file's blocks give them) come out as one
 // vector each. Type id 1012, this project's (layers/quantization/cpu_gguf.py names it too).
 struct Q4_KLanes {
-  using Base = Q4_K;
   static constexpr int kType = 1000 + Q4_K::kType, kValues = 256, kBytes = 148;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
@@ -196,7 +195,6 @@ struct Q4_KLanes {
 // hold the chunks' first 16 values, 8-15 the rest: their sums, kept apart, meet one vector of
 // scales each. Type id 1014, this project's.
 struct Q6_KLanes {
-  using Base = Q6_K;
   static constexpr int kType = 1000 + Q6_K::kType, kValues = 256, kBytes = 210;
   static constexpr bool kScalePer16 = true;
   static constexpr bool kOffset = false;
@@ -242,6 +240,20 @@ void lanes_row_chunks(const uint8_t* row, int64_t K, Visit&& visit) {
     for (int64_t c = 8 * groups; c < K / 32; c++) F::Base::chunks(row + c * F::kBytes, c, visit);
 }
 
+// Chunk c's 32 values (value(v), each 0-15) into a group's four nibble quads, as nibble_quad
+// reads them: vector r holds values 2r and 2r + 1 of chunk c in words 2c and 2c + 1, vector k of
+// a quad in bits 4k to 4k + 3 of each word, so byte 4c + 2p + b of quad j holds chunk c's values
+// 8j + 4b + p (low nibble) and that + 2 (high).
+template <class Value>
+inline void pack_chunk_nibbles(int c, Value&& value, uint8_t* quads) {
+  for (int j = 0; j < 4; j++)
+    for (int p = 0; p < 2; p++)
+      for (int b = 0; b < 2; b++) {
+        const int v = 8 * j + 4 * b + p;
+        quads[32 * j + 4 * c + 2 * p + b] = uint8_t(value(v) | value(v + 2) << 4);
+      }
+}
+
 // A row of K values of the base format in its Lanes layout.
 template <class Base>
 void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
@@ -258,18 +270,8 @@ void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
       if constexpr (std::is_same_v<Base, Q8_0>) {
         // vector r's words 2c, 2c + 1: chunk c's values 2r, 2r + 1
         for (int r = 0; r < 16; r++) std::memcpy(values + 16 * r + 2 * c, block + 2 * r, 2);
-      } else {
-        // Quad j's bytes 4c + 2p + b hold chunk c's values 8j + 4b + p (low nibble) and that + 2
-        // (high); a block's byte v holds values v (low nibble) and 16 + v (high).
-        for (int j = 0; j < 4; j++) {
-          const int shift = j < 2 ? 0 : 4, first = 8 * (j % 2);
-          for (int p = 0; p < 2; p++)
-            for (int b = 0; b < 2; b++) {
-              const int v = first + 4 * b + p;
-              values[32 * j + 4 * c + 2 * p + b] =
-                  uint8_t(((block[v] >> shift) & 0x0f) | (((block[v + 2] >> shift) & 0x0f) << 4));
-            }
-        }
+      } else {  // a block's byte v holds values v (low nibble) and 16 + v (high)
+        pack_chunk_nibbles(c, [&](int v) { return (block[v % 16] >> (4 * (v / 16))) & 0x0f; }, values);
       }
     }
   }
@@ -283,18 +285,11 @@ void repack_q4_k_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
     uint8_t* group = dst + g * Q4_KLanes::kBytes;
     std::memcpy(group, block, 4);
     for (int c = 0; c < 8; c++) std::tie(group[4 + c], group[12 + c]) = Q4_K::scale_min(block + 4, c);
-    // Sub-block c's value v: the low (c even) or high nibble of byte 32 (c / 2) + v. The quads
-    // as repack_lanes lays them: byte 4c + 2p + b of quad j holds values 8j + 4b + p and that + 2.
+    // Sub-block c's value v: the low (c even) or high nibble of byte 32 (c / 2) + v.
     const uint8_t* qs = block + 16;
-    const auto value = [&](int c, int v) { return (qs[32 * (c / 2) + v] >> (4 * (c % 2))) & 0x0f; };
-    uint8_t* values = group + Q4_KLanes::kHeaderBytes;
-    for (int j = 0; j < 4; j++)
-      for (int c = 0; c < 8; c++)
-        for (int p = 0; p < 2; p++)
-          for (int b = 0; b < 2; b++) {
-            const int v = 8 * j + 4 * b + p;
-            values[32 * j + 4 * c + 2 * p + b] = uint8_t(value(c, v) | value(c, v + 2) << 4);
-          }
+    for (int c = 0; c < 8; c++)
+      pack_chunk_nibbles(c, [&](int v) { return (qs[32 * (c / 2) + v] >> (4 * (c % 2))) & 0x0f; },
+                         group + Q4_KLanes::kHeaderBytes);
   }
 }
 
@@ -321,16 +316,9 @@ void repack_q6_k_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
                                               (((qh[l] >> (2 * run)) & 3) << 4));
     }
     uint8_t* values = group + Q6_KLanes::kHeaderBytes;
-    // Low nibbles as repack_lanes lays a nibble quad out (byte 4c + 2p + b of quad j: chunk c's
-    // values 8j + 4b + p and that + 2); the top bits of vector r (values 2r + p of chunk c) in
+    // The low four bits as nibble quads; the top two of vector r (values 2r + p of chunk c) in
     // bits 2 (r % 8) of word 2c + p of the run of 32 bytes r / 8.
-    for (int j = 0; j < 4; j++)
-      for (int c = 0; c < 8; c++)
-        for (int p = 0; p < 2; p++)
-          for (int b = 0; b < 2; b++) {
-            const int v = 32 * c + 8 * j + 4 * b + p;
-            values[32 * j + 4 * c + 2 * p + b] = uint8_t((q[v] & 0x0f) | (q[v + 2] & 0x0f) << 4);
-          }
+    for (int c = 0; c < 8; c++) pack_chunk_nibbles(c, [&](int v) { return q[32 * c + v] & 0x0f; }, values);
     uint16_t* top = reinterpret_cast<uint16_t*>(values + 128);
     std::memset(top, 0, 64);
     for (int r = 0; r < 16; r++)
@@ -492,29 +480,28 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
     for (int64_t g = 0; g < groups; g++) {
       const uint8_t* group = row + g * F::kGroupBytes;
       for (int line = 0; line < F::kGroupBytes; line += 64) simd::prefetch(group + kPrefetchAhead + line);
-      // With a scale per 16 values, quads 2 and 3 (the chunks' values 16-31) sum apart.
-      simd::Sums sums[P], high_sums[F::kScalePer16 ? P : 1];
-      for (int m = 0; m < P; m++) sums[m] = simd::zero_sums();
-      if constexpr (F::kScalePer16)
-        for (int m = 0; m < P; m++) high_sums[m] = simd::zero_sums();
+      // With a scale per 16 values, quads 2 and 3 (the chunks' values 16-31) sum apart: half 1.
+      constexpr int kHalves = F::kScalePer16 ? 2 : 1;
+      simd::Sums sums[kHalves][P];
+      for (int h = 0; h < kHalves; h++)
+        for (int m = 0; m < P; m++) sums[h][m] = simd::zero_sums();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; j++) {
         const simd::Quad quad = F::quad(group + F::kHeaderBytes, j);
+        const int h = kHalves == 2 ? j / 2 : 0;
 #pragma GCC unroll 8
-        for (int m = 0; m < P; m++) {
-          simd::Sums& s = F::kScalePer16 && j >= 2 ? high_sums[F::kScalePer16 ? m : 0] : sums[m];
-          s = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, s);
-        }
+        for (int m = 0; m < P; m++) sums[h][m] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, sums[h][m]);
       }
-      const Vec8 d = F::scales(group);
+      Vec8 d[kHalves];
+      d[0] = F::scales(group);
+      if constexpr (F::kScalePer16) d[1] = F::high_scales(group);
+      const Vec8 offset = F::offsets(group, d[0]);
 #pragma GCC unroll 8
       for (int m = 0; m < P; m++) {
         const int64_t xc = (m0 + m) * C + 8 * g;
         const Vec8 xs = simd::load8(&x.scale[xc]);
-        acc[m] = simd::fmadd8(simd::to_float(sums[m]), simd::mul8(d, xs), acc[m]);
-        if constexpr (F::kScalePer16)
-          acc[m] = simd::fmadd8(simd::to_float(high_sums[m]), simd::mul8(F::high_scales(group), xs), acc[m]);
-        if constexpr (F::kOffset) offsets[m] = simd::fmadd8(F::offsets(group, d), simd::load8(&x.sum[xc]), offsets[m]);
+        for (int h = 0; h < kHalves; h++) acc[m] = simd::fmadd8(simd::to_float(sums[h][m]), simd::mul8(d[h], xs), acc[m]);
+        if constexpr (F::kOffset) offsets[m] = simd::fmadd8(offset, simd::load8(&x.sum[xc]), offsets[m]);
       }
     }
     if constexpr (F::kTail)
