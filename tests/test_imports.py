@@ -3,10 +3,12 @@ top-level modules, and the model side (layers, models, attention) imports nothin
 engine or the entry points. Read from the source, function-level imports included; a package's
 `__main__.py` is a command, which nothing imports, and is left out. And a machine without the
 packages only some features need (gguf for GGUF files, llguidance for structured outputs; the
-GPU machine's image has neither) runs a Hugging Face checkpoint."""
+GPU machine's image has neither) runs a Hugging Face checkpoint. Importing nanovllm before torch
+makes torch's OpenMP threads passive, unless the user chose a policy."""
 
 import ast
 import graphlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +92,14 @@ def test_hf_checkpoints_run_without_gguf_and_llguidance(tmp_path):
     result = subprocess.run([sys.executable, "-c", WITHOUT_OPTIONAL_PACKAGES, str(path)], capture_output=True,
                             text=True, timeout=300, cwd=ROOT.parent)
     assert result.returncode == 0 and result.stdout.strip().endswith("ran"), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("given,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_importing_nanovllm_first_makes_openmp_threads_passive(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    script = "import os, nanovllm, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
