@@ -3,7 +3,8 @@
 `make_tiny_checkpoint(tmp_dir, arch, **config_overrides)` writes a directory that
 `transformers.AutoModelForCausalLM` / `AutoTokenizer` and nano-vllm can both load; the
 `tiny_checkpoint` fixture does the same into a fresh temporary directory.
-`random_gguf_blocks` makes valid GGUF blocks of a quantized type from random bytes.
+`random_gguf_blocks` makes valid GGUF blocks of a quantized type from random bytes;
+`write_tiny_gguf` a GGUF file of a small shape whose tensors each come in a type of the test's choosing.
 """
 
 import importlib.util
@@ -45,6 +46,33 @@ def random_gguf_blocks(qtype: str, rows: int, in_features: int, rng: np.random.G
         scales = rng.uniform(-scale, scale, raw.shape[:2]).astype(np.float16)
         raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(path: str | Path, shape, type_of, seed: int = 0) -> str:
+    """A GGUF file of `shape` (a bench_twins.TwinShape: its metadata and vocabulary, as a twin's)
+    whose 2-D tensor `name` is in GGML type `type_of(name)` (None: F16): gguf-py quantizes the
+    types it can, the others (K-quants) are random blocks."""
+    from nanovllm.entrypoints import bench_twins
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), shape.architecture)
+    bench_twins._add_model_metadata(writer, shape)
+    bench_twins._add_tokenizer(writer, shape.vocab_size)
+    for name, dims in bench_twins.tensor_shapes(shape).items():
+        values = bench_twins._random_tensor(name, dims, rng)
+        qtype = type_of(name) if len(dims) == 2 else None
+        if qtype is None:
+            writer.add_tensor(name, values)
+        elif qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+            writer.add_tensor(name, gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType[qtype]),
+                              raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            writer.add_tensor(name, random_gguf_blocks(qtype, *dims, rng, scale=0.002),
+                              raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
 
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -7,17 +7,21 @@ dequantized weight and x, for rows in one pass, in passes split evenly, bf16 and
 bias. The dequantizing path (many rows): against the fp32 product, over several panels. Real
 tensors of each type of the default file too. The lanes layouts (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
 repacked at load): dequantized bit for bit as the file's blocks, and both paths the blocks' own results, for
-rows of whole groups of 256 values, with a tail of blocks, and shorter than a group.
+rows of whole groups of 256 values, with a tail of blocks, and shorter than a group. A packed
+layer whose projections differ in type: each part its own type's product, and a GGUF file whose
+q/k/v and gate/up mix types loads every layer in blocks.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import GGUF_SCALE_OFFSETS, make_tiny_checkpoint, random_gguf_blocks, requires_default_model
+from conftest import (GGUF_SCALE_OFFSETS, make_tiny_checkpoint, random_gguf_blocks, requires_default_model,
+                      write_tiny_gguf)
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
-from nanovllm.layers.quantization.cpu_gguf import LANES_FORMATS, LANES_TYPE_BASE, CPUGGUFLinearMethod
+from nanovllm.entrypoints.bench_twins import TwinShape
+from nanovllm.layers.quantization.cpu_gguf import LANES_FORMATS, LANES_TYPE_BASE, CPUGGUFLinearMethod, kernel_blocks
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, block_values
 
 if not cpu_kernels.available():
@@ -120,6 +124,74 @@ def test_the_method_repacks_once_into_lanes(qtype, in_features):
                                atol=1e-5 * expected.abs().max().item())
     ids = torch.tensor([5, 0, 7])
     torch.testing.assert_close(method.embed(layer, ids), reference_dequantize(blocks, qtype, in_features)[ids])
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_parts_of_differing_types_are_each_parts_product(lanes):
+    """Rows of several types one after another: each part's columns are its own product (both
+    paths, a bias across the parts); the table must describe the bytes exactly."""
+    k = 768
+    parts = [("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 9), ("Q4_1", 33)]
+    rows = [random_blocks(qtype, n, k, seed=i) for i, (qtype, n) in enumerate(parts)]
+    if lanes:
+        rows, types = zip(*(kernel_blocks(r, qtype, k) for r, (qtype, _) in zip(rows, parts)))
+    else:
+        types = [BLOCK_TYPES[qtype] for qtype, _ in parts]
+    blocks = torch.cat([r.reshape(-1) for r in rows])
+    table = torch.tensor([(n, t) for (_, n), t in zip(parts, types)])
+    n = sum(n for _, n in parts)
+    bias = torch.randn(n)
+    for m in (1, 3, 10, 11, 40):  # the integer path, in one pass and in two; the dequantizing GEMM
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got = torch.ops.nanovllm_cpu.gguf_linear_parts(x, blocks, table, n, bias, 10)
+        each = [torch.ops.nanovllm_cpu.gguf_linear(x, r, t, None, 10) for r, t in zip(rows, types)]
+        expected = torch.cat(each, 1) + bias
+        if lanes:  # the same sums in the same order
+            assert torch.equal(got, expected)
+        else:  # the file's layout sums a decode's rows four at a time where a task has four left
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    x = torch.randn(2, k)
+    with pytest.raises(RuntimeError, match="the parts' rows take"):
+        torch.ops.nanovllm_cpu.gguf_linear_parts(x, blocks[:-1], table, n, None, 10)
+    with pytest.raises(RuntimeError, match="not out_features=7"):
+        torch.ops.nanovllm_cpu.gguf_linear_parts(x, blocks, table, 7, None, 10)
+    if lanes:  # a lanes part beside one in the file's own layout
+        mixed = torch.tensor([(40, types[0]), (24, BLOCK_TYPES["Q6_K"])])
+        with pytest.raises(RuntimeError, match="all in lanes layouts or none"):
+            torch.ops.nanovllm_cpu.gguf_linear_parts(x, torch.cat([rows[0].reshape(-1), random_blocks("Q6_K", 24, k).reshape(-1)]),
+                                                     mixed, 64, None, 10)
+
+
+def test_a_file_mixing_types_in_packed_layers_keeps_every_layer_in_blocks(tmp_path):
+    """Q4_K_M-like: q and k in Q4_K, v in Q6_K, gate in Q4_0 and up in Q8_0. Every linear layer
+    stays in blocks (the packed ones in parts), agrees with the file dequantized at load, and runs
+    fused as eager does."""
+    shape = TwinShape("qwen3", 256, 512, 2, 4, 2, 64, 320, 10000.0, 1e-6, 256, True)
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "ffn_gate": "Q4_0", "ffn_up": "Q8_0"}
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", shape,
+                           lambda name: types.get(name.split(".")[-2], "Q4_1" if name.startswith("blk") else "Q8_0"))
+    settings = dict(num_kvcache_blocks=16, max_model_len=128)
+    blocks = LLM(path, dtype="float32", enforce_eager=True, **settings)
+    model = blocks.llm_engine.executor.model
+    methods = {name.split(".")[-1]: type(m.linear_method).__name__ for name, m in model.named_modules()
+               if hasattr(m, "linear_method")}
+    assert methods == {"embed_tokens": "CPUGGUFLinearMethod", "lm_head": "CPUGGUFLinearMethod",
+                       "qkv_proj": "CPUGGUFPartsLinearMethod", "o_proj": "CPUGGUFLinearMethod",
+                       "gate_up_proj": "CPUGGUFPartsLinearMethod", "down_proj": "CPUGGUFLinearMethod"}
+    qkv = model.model.layers[0].self_attn.qkv_proj.linear_method
+    assert qkv.parts.tolist() == [[256 + 128, LANES_TYPE_BASE + BLOCK_TYPES["Q4_K"]],
+                                  [128, LANES_TYPE_BASE + BLOCK_TYPES["Q6_K"]]]  # q and k: one run
+    dense = LLM(path, dtype="float32", enforce_eager=True, quantization="dense", **settings)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = [list(range(3, 60))]
+    logprobs = [[next(iter(p.values())).logprob for p in llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]]
+                for llm in (blocks, dense)]
+    torch.testing.assert_close(torch.tensor(logprobs[0]), torch.tensor(logprobs[1]), rtol=0, atol=2e-3)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    fused, eager = (LLM(path, dtype="bfloat16", enforce_eager=eager, **settings) for eager in (False, True))
+    outs = [[(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompt * 2, greedy, use_tqdm=False)[0].outputs]
+            for llm in (fused, eager)]
+    assert outs[0] == outs[1]
 
 
 def test_a_row_stride_wider_than_the_blocks_and_bad_input():

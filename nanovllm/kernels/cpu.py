@@ -20,7 +20,7 @@ compiler `available()` is False and callers fall back to plain PyTorch.
 Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile` can trace
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
-`gguf_linear` / `gguf_dequantize` (weights in GGUF's block formats),
+`gguf_linear` / `gguf_linear_parts` / `gguf_dequantize` / `gguf_repack` (weights in GGUF's block formats),
 `store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise
 `silu_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layers` (a run of Llama-family layers as one call
 over the others), and `isa`; see cpu/registration.cpp.
@@ -144,6 +144,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanovllm_cpu::gguf_linear")
     def _(x, blocks, type, bias, max_integer_rows):
         return x.new_empty(*x.shape[:-1], blocks.shape[0])
+
+    @torch.library.register_fake("nanovllm_cpu::gguf_linear_parts")
+    def _(x, blocks, parts, out_features, bias, max_integer_rows):
+        return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("nanovllm_cpu::gguf_dequantize")
     def _(blocks, type, in_features):

@@ -93,11 +93,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.sizes_per_rank = [divide(s, tp_group.world_size, "output size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), tp_group=tp_group, bias=bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    def output_slice(self, shard_id: object) -> tuple[int, int]:
+        """(offset, size): the rows of this rank's packed weight that projection `shard_id` fills."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.sizes_per_rank):
             raise ValueError(f"packed parameter needs a shard index in 0..{len(self.sizes_per_rank) - 1}, got {shard_id!r}")
-        offset = sum(self.sizes_per_rank[:shard_id])
-        dst = param.data.narrow(0, offset, self.sizes_per_rank[shard_id])
+        return sum(self.sizes_per_rank[:shard_id]), self.sizes_per_rank[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        dst = param.data.narrow(0, *self.output_slice(shard_id))
         copy_chunk(dst, loaded_weight, 0, self.tp_group.rank, self.tp_group.world_size)
 
 
@@ -127,17 +130,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         # with replicated KV heads the per-rank size is not the unsharded size / tp.
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, tp_group=tp_group, bias=bias)
 
+    def output_slice(self, shard_id: object) -> tuple[int, int]:
+        """(offset, size): the rows of this rank's packed weight that projection `shard_id` fills."""
+        slices = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size, self.kv_size)}
+        if shard_id not in slices:
+            raise ValueError(f"packed qkv parameter needs shard 'q', 'k' or 'v', got {shard_id!r}")
+        return slices[shard_id]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        offset, size = self.output_slice(shard_id)
         if shard_id == "q":
-            offset, size = 0, self.q_size
             index, num_chunks = self.tp_group.rank, self.tp_group.world_size
-        elif shard_id in ("k", "v"):
-            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            size = self.kv_size
+        else:  # k and v: a KV head may be replicated over several ranks
             index = self.tp_group.rank // self.num_kv_replicas
             num_chunks = self.tp_group.world_size // self.num_kv_replicas
-        else:
-            raise ValueError(f"packed qkv parameter needs shard 'q', 'k' or 'v', got {shard_id!r}")
         copy_chunk(param.data.narrow(0, offset, size), loaded_weight, 0, index, num_chunks)
 
 

@@ -47,13 +47,13 @@ def _shards_of(mapping: dict[str, tuple[str, object]]) -> dict[str, set[object]]
 
 
 def keep_in_blocks(model: nn.Module, block_types: dict[str, str],
-                   method_for: Callable[[str], object | None]) -> dict[str, str]:
-    """Switch each layer whose checkpoint tensors all come in one block format (`block_types`:
-    checkpoint name -> GGML type) onto the linear method `method_for(type)` gives, where it gives
-    one; returns the checkpoint names to load as blocks. Layers that share a weight (a tied LM
-    head and its embedding) switch together. The others stay dense and their tensors are
-    dequantized: a packed layer whose parts differ in type, a type the platform does not run,
-    or a shard narrower than a block; one log line counts them."""
+                   method_for: Callable[[dict[object, str]], object | None]) -> dict[str, str]:
+    """Switch each layer whose checkpoint tensors all come in block formats (`block_types`:
+    checkpoint name -> GGML type) onto the linear method `method_for(shard types)` gives (see
+    Platform.block_linear_method), where it gives one; returns the checkpoint names to load as
+    blocks. Layers that share a weight (a tied LM head and its embedding) switch together. The
+    others stay dense and their tensors are dequantized: a packed layer with a part in a type
+    the platform does not run, or a shard narrower than a block; one log line counts them."""
     # Imported here: every layer imports this module, and loader.quantized pulls in gguf.
     from nanovllm.loader.quantized import block_values
 
@@ -75,10 +75,10 @@ def keep_in_blocks(model: nn.Module, block_types: dict[str, str],
         if param_name != "weight" or not hasattr(module, "linear_method"):
             continue
         qtypes = {qtype for _, qtype in shards.values()}
-        qtype = next(iter(qtypes))
-        method = method_for(qtype) if len(qtypes) == 1 else None
-        if (method is None or shards.keys() != shards_of.get(module_name.split(".")[-1], {None})
-                or module.weight.shape[1] % block_values(qtype)):
+        whole = (shards.keys() == shards_of.get(module_name.split(".")[-1], {None})
+                 and not any(module.weight.shape[1] % block_values(qtype) for qtype in qtypes))
+        method = method_for({shard_id: qtype for shard_id, (_, qtype) in shards.items()}) if whole else None
+        if method is None:
             dense["/".join(sorted(qtypes))] += 1
             continue
         old_weight = module.weight

@@ -23,9 +23,10 @@ class Platform:
     def prepare_model(self, model: nn.Module) -> None:
         """Called once the weights are loaded."""
 
-    def block_linear_method(self, qtype: str) -> LinearMethod | None:
-        """The linear method that multiplies weights kept in GGML block type `qtype`, or None where
-        this platform does not (the weights are then dequantized at load)."""
+    def block_linear_method(self, shard_types: dict[object, str]) -> LinearMethod | None:
+        """The linear method that multiplies a layer's weight kept in GGML block types, or None where
+        this platform does not (the weight is then dequantized at load). `shard_types`: each
+        projection's type by shard id (a packed layer's q/k/v or gate/up), {None: type} unpacked."""
         return None
 
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

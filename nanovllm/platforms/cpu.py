@@ -100,11 +100,16 @@ class CPUPlatform(Platform):
         CPUPackedBF16LinearMethod.pack_all(linears)
         use_elementwise_kernels(model)
 
-    def block_linear_method(self, qtype: str) -> LinearMethod | None:
+    def block_linear_method(self, shard_types: dict[object, str]) -> LinearMethod | None:
         # Imported here: the block formats' tables come from gguf-py, which only block weights need.
-        from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
+        from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod, CPUGGUFPartsLinearMethod
         # Every kernel variant runs the block formats (`none` in plain C++: correct if slow).
-        return CPUGGUFLinearMethod(qtype, self.dtype) if cpu_kernels.available() else None
+        if not cpu_kernels.available():
+            return None
+        qtypes = set(shard_types.values())
+        if len(qtypes) == 1:
+            return CPUGGUFLinearMethod(qtypes.pop(), self.dtype)
+        return CPUGGUFPartsLinearMethod(shard_types, self.dtype)
 
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # Costs nothing until a page is first written; in ordinary pages, as a step writes a

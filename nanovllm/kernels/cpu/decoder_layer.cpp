@@ -27,10 +27,12 @@ using Weights = c10::List<std::optional<at::Tensor>>;
 // builds them; the layers' shares follow one another). weights: input norm, post-attention
 // norm, RoPE's cos|sin cache, q norm, k norm (the last two None unless Qwen3), then per linear
 // (qkv, o, gate_up, down) its weight, packed copy, oneDNN copy and bias. settings: heads, KV
-// heads, head dim, then each linear's kind (a GGUF block weight's GGML type id, or -1 for the
+// heads, head dim, then each linear's kind (a GGUF block weight's type id; kGGUFParts for one in
+// parts of differing types, whose parts table takes the packed copy's place; kPackedBF16 for the
 // packed bf16 method) and then each one's row threshold.
 enum Linear { kQKV, kOut, kGateUp, kDown, kLinears };
 constexpr int64_t kLinearWeights = 5, kWeightsPerLinear = 4, kLinearSettings = 3;
+constexpr int64_t kPackedBF16 = -1, kGGUFParts = -2;
 constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 2 * kLinears;
 
 // One layer's share of the weights: weight(i) is the layer's i-th in the layout above.
@@ -47,6 +49,14 @@ at::Tensor apply_linear(Linear which, const at::Tensor& x, const LayerWeights& w
   const std::optional<at::Tensor> packed = weights.weight(first + 1), onednn = weights.weight(first + 2),
                                   bias = weights.weight(first + 3);
   if (kind >= 0) return gguf_linear(x, weight, kind, bias, max_rows);
+  if (kind == kGGUFParts) {
+    const at::Tensor parts = packed.value();  // (rows, type) a part: their rows are the output's width
+    int64_t out_features = 0;
+    for (int64_t p = 0; p < parts.size(0); p++) out_features += parts.data_ptr<int64_t>()[2 * p];
+    return gguf_linear_parts(x, weight, parts, out_features, bias, max_rows);
+  }
+  TORCH_CHECK(kind == kPackedBF16, "decoder_layers: linear kind ", kind, " is none of a GGUF type, ", kGGUFParts,
+              " (GGUF parts) or ", kPackedBF16, " (packed bf16)");
   return linear(x, weight, packed, bias, max_rows, onednn);
 }
 

@@ -1,5 +1,7 @@
 // gguf_linear / gguf_dequantize: y = x W^T (+ b) over a weight kept in a GGUF block format (Q8_0,
 // Q4_0, Q4_1, Q4_K, Q6_K), rows as the file stores them: [N, row bytes], K/block blocks a row.
+// gguf_linear_parts: the same over a packed layer whose projections differ in format, each part's
+// rows in its own, in one call (x quantized once, one parallel region over every part's rows).
 //
 // A few rows of x (decode) take the integer path, much as llama.cpp does: each row of x is
 // quantized once to blocks of 32 with an fp32 scale (and its sum, for the formats with an offset),
@@ -518,6 +520,24 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
   }
 }
 
+template <class Body>
+void with_format(int64_t type, Body&& body) {
+  switch (type) {
+    case Q8_0::kType: return body(Q8_0{});
+    case Q4_0::kType: return body(Q4_0{});
+    case Q4_1::kType: return body(Q4_1{});
+    case Q4_K::kType: return body(Q4_K{});
+    case Q6_K::kType: return body(Q6_K{});
+    case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
+    case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
+    case Lanes<Q4_1>::kType: return body(Lanes<Q4_1>{});
+    case Q4_KLanes::kType: return body(Q4_KLanes{});
+    case Q6_KLanes::kType: return body(Q6_KLanes{});
+  }
+  TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), "
+              "Q6_K (14)");
+}
+
 // Rows of x per pass over a weight row: the accumulators with a weight chunk and its scale fit
 // the sixteen ymm registers.
 constexpr int kMaxPass = 8;
@@ -535,52 +555,75 @@ constexpr auto make_lanes_table(std::integer_sequence<int, Ps...>) {
   return std::array<LanesDotRowsFn, sizeof...(Ps)>{&lanes_dot_rows<F, Ps + 1>...};
 }
 
+// A weight's rows as one or more parts, each in one format, one after another in the output: a
+// packed layer (q/k/v, gate/up) whose projections the file stores in different types keeps each
+// projection's rows in its own type. Part p's row r is output column first + r.
+struct Part {
+  int64_t type;
+  const uint8_t* w;
+  int64_t w_stride, first, rows;
+};
+
+// Output columns [begin, end) of `part` (within it) for the M rows of x in xq.
 template <class F, typename T>
-void integer_linear(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_stride, const float* bias, T* y,
-                    int64_t M, int64_t N, int64_t K) {
-  const QuantizedRows xq(x, x_stride, M, K, F::kWholeRow);
+void integer_rows(const QuantizedRows& xq, const Part& part, int64_t begin, int64_t end, const float* bias, T* y,
+                  int64_t M, int64_t N, int64_t K) {
   const int64_t passes = (M + kMaxPass - 1) / kMaxPass;
-  // ~16 KB of weights a task at the least: a parallel region costs a few us.
-  const int64_t grain = std::max<int64_t>(1, 16384 / (K / F::kValues * F::kBytes));
   const auto store = [&](int64_t m, int64_t n, float value) {
     y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
   };
+  const auto row = [&](int64_t n) { return part.w + (n - part.first) * part.w_stride; };
   if constexpr (F::kWholeRow) {
     static constexpr auto table = make_lanes_table<F>(std::make_integer_sequence<int, kMaxPass>{});
     constexpr int64_t kRun = 32;  // weight rows a call
-    parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      float out[kRun * kMaxPass];
-      for (int64_t n = begin; n < end; n += kRun) {
-        const int64_t run = std::min(kRun, end - n);
-        for (int64_t i = 0, m0 = 0; i < passes; i++) {
-          const int64_t rows = (M - m0) / (passes - i);
-          table[rows - 1](w + n * w_stride, w_stride, run, K, xq, m0, out);
-          for (int64_t r = 0; r < run; r++)
-            for (int64_t m = 0; m < rows; m++) store(m0 + m, n + r, out[r * rows + m]);
-          m0 += rows;
-        }
+    float out[kRun * kMaxPass];
+    for (int64_t n = begin; n < end; n += kRun) {
+      const int64_t run = std::min(kRun, end - n);
+      for (int64_t i = 0, m0 = 0; i < passes; i++) {
+        const int64_t rows = (M - m0) / (passes - i);
+        table[rows - 1](row(n), part.w_stride, run, K, xq, m0, out);
+        for (int64_t r = 0; r < run; r++)
+          for (int64_t m = 0; m < rows; m++) store(m0 + m, n + r, out[r * rows + m]);
+        m0 += rows;
       }
-    });
+    }
   } else {
     static constexpr auto table = make_dot_table<F>(std::make_integer_sequence<int, kMaxPass>{});
-    parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      float out[std::max(kMaxPass, kRowsPerCall)];
-      int64_t n = begin;
-      if (M == 1)  // a decode: weight rows four a call; the last few go one by one below
-        for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
-          dot_rows<F, 1, kRowsPerCall>(w + n * w_stride, w_stride, K, xq, 0, out);
-          for (int r = 0; r < kRowsPerCall; r++) store(0, n + r, out[r]);
-        }
-      for (; n < end; n++) {
-        for (int64_t i = 0, m0 = 0; i < passes; i++) {
-          const int64_t rows = (M - m0) / (passes - i);
-          table[rows - 1](w + n * w_stride, w_stride, K, xq, m0, out);
-          for (int64_t m = 0; m < rows; m++) store(m0 + m, n, out[m]);
-          m0 += rows;
-        }
+    float out[std::max(kMaxPass, kRowsPerCall)];
+    int64_t n = begin;
+    if (M == 1)  // a decode: weight rows four a call; the last few go one by one below
+      for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
+        dot_rows<F, 1, kRowsPerCall>(row(n), part.w_stride, K, xq, 0, out);
+        for (int r = 0; r < kRowsPerCall; r++) store(0, n + r, out[r]);
       }
-    });
+    for (; n < end; n++) {
+      for (int64_t i = 0, m0 = 0; i < passes; i++) {
+        const int64_t rows = (M - m0) / (passes - i);
+        table[rows - 1](row(n), part.w_stride, K, xq, m0, out);
+        for (int64_t m = 0; m < rows; m++) store(m0 + m, n, out[m]);
+        m0 += rows;
+      }
+    }
   }
+}
+
+// x quantized once for every part (`lanes`: in the lanes formats' order, which all parts then
+// share), and one parallel region over all the parts' rows.
+template <typename T>
+void integer_linear(const T* x, const std::vector<Part>& parts, bool lanes, const float* bias, T* y, int64_t M,
+                    int64_t N, int64_t K) {
+  const QuantizedRows xq(x, K, M, K, lanes);
+  int64_t widest = 1;  // row stride: a row's bytes, as the ops pass them
+  for (const Part& part : parts) widest = std::max(widest, part.w_stride);
+  // ~16 KB of weights a task at the least: a parallel region costs a few us.
+  const int64_t grain = std::max<int64_t>(1, 16384 / widest);
+  parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (const Part& part : parts) {
+      const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
+      if (lo < hi)
+        with_format(part.type, [&](auto format) { integer_rows<decltype(format)>(xq, part, lo, hi, bias, y, M, N, K); });
+    }
+  });
 }
 
 template <class F>
@@ -642,25 +685,31 @@ std::vector<float> pack_groups_of_16(const T* x, int64_t x_stride, int64_t M, in
   return packed;
 }
 
-template <class F, typename T>
-void dequantizing_gemm(const T* x, int64_t x_stride, const uint8_t* w, int64_t w_stride, const float* bias, T* y,
-                       int64_t M, int64_t N, int64_t K) {
-  const std::vector<float> xp = pack_groups_of_16(x, x_stride, M, K);
-  const int64_t groups = (M + 15) / 16, blocks = (N + kBlockRows - 1) / kBlockRows;
-  parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+template <typename T>
+void dequantizing_gemm(const T* x, const std::vector<Part>& parts, const float* bias, T* y, int64_t M, int64_t N,
+                       int64_t K) {
+  const std::vector<float> xp = pack_groups_of_16(x, K, M, K);
+  const int64_t groups = (M + 15) / 16;
+  std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
+  for (const Part& part : parts)
+    for (int64_t r = 0; r < part.rows; r += kBlockRows) blocks.emplace_back(&part, r);
+  parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rows(kBlockRows * K);
     alignas(64) float tile[kTileRows][16];
     for (int64_t b = begin; b < end; b++) {
-      const int64_t n0 = b * kBlockRows, n_rows = std::min<int64_t>(kBlockRows, N - n0);
-      dequantize_rows<F>(w + n0 * w_stride, w_stride, n_rows, K, rows.data());  // serial: within a task
-      std::fill(rows.begin() + n_rows * K, rows.end(), 0.0f);  // rows past N: computed, never stored
+      const auto [part, r0] = blocks[b];
+      const int64_t n0 = part->first + r0, n_end = n0 + std::min<int64_t>(kBlockRows, part->rows - r0);
+      with_format(part->type, [&](auto format) {  // serial: within a task
+        dequantize_rows<decltype(format)>(part->w + r0 * part->w_stride, part->w_stride, n_end - n0, K, rows.data());
+      });
+      std::fill(rows.begin() + (n_end - n0) * K, rows.end(), 0.0f);  // rows past the block: computed, never stored
       for (int64_t g = 0; g < groups; g++) {
         const int64_t m_rows = std::min<int64_t>(16, M - g * 16);
-        for (int64_t t = 0; t * kTileRows < n_rows; t++) {
+        for (int64_t n = n0; n < n_end; n += kTileRows) {
           simd::Vec acc[kTileRows];
-          tile_dot(rows.data() + t * kTileRows * K, K, xp.data() + g * K * 16, acc);
+          tile_dot(rows.data() + (n - n0) * K, K, xp.data() + g * K * 16, acc);
           for (int r = 0; r < kTileRows; r++) simd::store(tile[r], acc[r]);
-          const int64_t n = n0 + t * kTileRows, tile_rows = std::min<int64_t>(kTileRows, N - n);
+          const int64_t tile_rows = std::min<int64_t>(kTileRows, n_end - n);
           for (int64_t j = 0; j < m_rows; j++) {
             T* out = y + (g * 16 + j) * N + n;
             for (int64_t r = 0; r < tile_rows; r++) out[r] = T(tile[r][j] + (bias != nullptr ? bias[n + r] : 0.0f));
@@ -669,24 +718,6 @@ void dequantizing_gemm(const T* x, int64_t x_stride, const uint8_t* w, int64_t w
       }
     }
   });
-}
-
-template <class Body>
-void with_format(int64_t type, Body&& body) {
-  switch (type) {
-    case Q8_0::kType: return body(Q8_0{});
-    case Q4_0::kType: return body(Q4_0{});
-    case Q4_1::kType: return body(Q4_1{});
-    case Q4_K::kType: return body(Q4_K{});
-    case Q6_K::kType: return body(Q6_K{});
-    case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
-    case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
-    case Lanes<Q4_1>::kType: return body(Lanes<Q4_1>{});
-    case Q4_KLanes::kType: return body(Q4_KLanes{});
-    case Q6_KLanes::kType: return body(Q6_KLanes{});
-  }
-  TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), "
-              "Q6_K (14)");
 }
 
 template <class F>
@@ -698,40 +729,80 @@ void check_blocks(const at::Tensor& blocks, int64_t K) {
               " needs ", K / F::kValues * F::kBytes);
 }
 
-}  // namespace
-
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gguf_linear: x must be bf16 or fp32");
-  const int64_t K = x.size(-1), N = blocks.size(0);
+// y = x W^T (+ bias) over a weight in `parts` covering N output columns; `lanes` as all parts'
+// formats' kWholeRow.
+at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vector<Part>& parts, bool lanes,
+                             int64_t N, const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bf16 or fp32");
+  const int64_t K = x.size(-1);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor b32;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "gguf_linear: bias has ", bias->numel(), " values, not ", N);
+    TORCH_CHECK(bias->numel() == N, op, ": bias has ", bias->numel(), " values, not ", N);
     b32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor y;
+  const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto run = [&](auto* x_rows, auto* y_rows) {
+    if (M <= max_integer_rows)
+      integer_linear(x_rows, parts, lanes, b, y_rows, M, N, K);
+    else
+      dequantizing_gemm(x_rows, parts, b, y_rows, M, N, K);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(rows.data_ptr<float>(), y.data_ptr<float>());
+  else
+    run(rows.data_ptr<BFloat16>(), y.data_ptr<BFloat16>());
+  return y.view(shape);
+}
+
+}  // namespace
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
+  const int64_t N = blocks.size(0);
+  bool lanes = false;
   with_format(type, [&](auto format) {
     using F = decltype(format);
-    check_blocks<F>(blocks, K);
-    const uint8_t* w = blocks.data_ptr<uint8_t>();
-    y = at::empty({M, N}, x.options());
-    const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
-    const auto run = [&](auto* x_rows, auto* y_rows) {
-      if (M <= max_integer_rows)
-        integer_linear<F>(x_rows, K, w, blocks.stride(0), b, y_rows, M, N, K);
-      else
-        dequantizing_gemm<F>(x_rows, K, w, blocks.stride(0), b, y_rows, M, N, K);
-    };
-    if (x.scalar_type() == at::kFloat)
-      run(rows.data_ptr<float>(), y.data_ptr<float>());
-    else
-      run(rows.data_ptr<BFloat16>(), y.data_ptr<BFloat16>());
+    check_blocks<F>(blocks, x.size(-1));
+    lanes = F::kWholeRow;
   });
-  return y.view(shape);
+  return linear_over_parts("gguf_linear", x, {Part{type, blocks.data_ptr<uint8_t>(), blocks.stride(0), 0, N}}, lanes,
+                           N, bias, max_integer_rows);
+}
+
+at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
+                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
+  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "gguf_linear_parts: the parts' rows as one contiguous uint8 tensor");
+  TORCH_CHECK(parts.dim() == 2 && parts.size(1) == 2 && parts.size(0) > 0 && parts.scalar_type() == at::kLong &&
+                  parts.is_contiguous(), "gguf_linear_parts: parts must be int64 [parts, 2]: (rows, GGUF type)");
+  const int64_t K = x.size(-1);
+  const int64_t* table = parts.data_ptr<int64_t>();
+  std::vector<Part> list;
+  int64_t N = 0, offset = 0, lanes_parts = 0;
+  for (int64_t p = 0; p < parts.size(0); p++) {
+    const int64_t rows = table[2 * p], type = table[2 * p + 1];
+    TORCH_CHECK(rows > 0, "gguf_linear_parts: part ", p, " has ", rows, " rows");
+    with_format(type, [&](auto format) {
+      using F = decltype(format);
+      TORCH_CHECK(K % F::kValues == 0, "K=", K, " is not a multiple of the format's block of ", F::kValues, " values");
+      const int64_t row_bytes = K / F::kValues * F::kBytes;
+      list.push_back(Part{type, blocks.data_ptr<uint8_t>() + offset, row_bytes, N, rows});
+      lanes_parts += F::kWholeRow;
+      offset += rows * row_bytes;
+    });
+    N += rows;
+  }
+  TORCH_CHECK(offset == blocks.numel(), "gguf_linear_parts: the parts' rows take ", offset, " bytes; blocks hold ",
+              blocks.numel());
+  TORCH_CHECK(N == out_features, "gguf_linear_parts: the parts hold ", N, " rows, not out_features=", out_features);
+  TORCH_CHECK(lanes_parts == 0 || lanes_parts == int64_t(list.size()),
+              "gguf_linear_parts: the parts must be all in lanes layouts or none");
+  return linear_over_parts("gguf_linear_parts", x, list, lanes_parts > 0, N, bias, max_integer_rows);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features) {

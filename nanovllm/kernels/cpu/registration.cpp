@@ -19,6 +19,7 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("onednn_release(Tensor handle) -> ()");
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_integer_rows) -> Tensor");
+  m.def("gguf_linear_parts(Tensor x, Tensor blocks, Tensor parts, int out_features, Tensor? bias, int max_integer_rows) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("gguf_repack(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -41,6 +42,7 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("onednn_release", &nanovllm_cpu::onednn_release);
   m.impl("linear_packed", &nanovllm_cpu::linear_packed);
   m.impl("gguf_linear", &nanovllm_cpu::gguf_linear);
+  m.impl("gguf_linear_parts", &nanovllm_cpu::gguf_linear_parts);
   m.impl("gguf_dequantize", &nanovllm_cpu::gguf_dequantize);
   m.impl("gguf_repack", &nanovllm_cpu::gguf_repack);
   m.impl("store_kv", &nanovllm_cpu::store_kv);

@@ -9,6 +9,10 @@ loaded, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows are repacked into the kernels' lane
 eight 32-value chunks' sums in one vector's lanes; the same bytes a row, or for Q4_K 148 bytes a
 256-value block instead of 144): from then on the kernels take the layout's own type id. An
 embedding looks up rows of blocks and dequantizes only those.
+
+A packed layer (q/k/v, gate/up) whose projections the file stores in different types (Q4_K_M
+keeps some layers' v in Q6_K beside Q4_K's q and k) takes the parts method: each projection's rows
+stay in their own type, all in one byte tensor, multiplied in one call (gguf_linear_parts).
 """
 
 import torch
@@ -23,6 +27,17 @@ MAX_INTEGER_ROWS = 10
 # (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes and Q6_KLanes).
 LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 LANES_TYPE_BASE = 1000
+# decoder_layer.cpp's kind for a linear in parts of differing types.
+PARTS_KIND = -2
+
+
+def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, int]:
+    """Rows of `qtype` blocks as the kernels take them, and the type id they then have: repacked
+    into the format's lanes layout where it has one."""
+    if qtype not in LANES_FORMATS:
+        return blocks, BLOCK_TYPES[qtype]
+    return (torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features),
+            LANES_TYPE_BASE + BLOCK_TYPES[qtype])
 
 
 class CPUGGUFLinearMethod(LinearMethod):
@@ -55,10 +70,8 @@ class CPUGGUFLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # A tied embedding and LM head share this method and their weight: repacked once.
-        if self.qtype not in LANES_FORMATS or self.kernel_type != self.type_id:
-            return
-        layer.weight.data = torch.ops.nanovllm_cpu.gguf_repack(layer.weight, self.type_id, self.in_features)
-        self.kernel_type = LANES_TYPE_BASE + self.type_id
+        if self.kernel_type == self.type_id:
+            layer.weight.data, self.kernel_type = kernel_blocks(layer.weight.data, self.qtype, self.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.kernel_type, bias, MAX_INTEGER_ROWS)
@@ -78,3 +91,63 @@ class CPUGGUFLinearMethod(LinearMethod):
         rows = layer.weight.index_select(0, ids.reshape(-1))
         values = torch.ops.nanovllm_cpu.gguf_dequantize(rows, self.kernel_type, self.in_features)
         return values.to(self.dtype).view(*ids.shape, -1)
+
+
+class CPUGGUFPartsLinearMethod(LinearMethod):
+    """A packed layer whose projections come in different block types (`shard_types`: shard id ->
+    GGML type), each kept in its own. While loading, the weight is [rows, widest row's bytes], each
+    projection's rows filling their own type's bytes of it; once loaded, each run of rows of one
+    type is put in the kernels' layout and the runs laid one after another in one byte tensor,
+    which `parts` ((rows, type id) a run, in output order) describes."""
+
+    def __init__(self, shard_types: dict[object, str], dtype: torch.dtype):
+        self.shard_types = dict(shard_types)
+        self.dtype = dtype
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+        """The loading buffer of blocks, for a packed layer (one with `output_slice`)."""
+        self.out_features, self.in_features = output_size, input_size
+        slices = sorted((*layer.output_slice(shard), qtype) for shard, qtype in self.shard_types.items())
+        self.runs: list[tuple[int, int, str]] = []  # (first row, rows, type): adjacent shards of one type merged
+        for offset, size, qtype in slices:
+            if self.runs and self.runs[-1][2] == qtype and sum(self.runs[-1][:2]) == offset:
+                self.runs[-1] = (self.runs[-1][0], self.runs[-1][1] + size, qtype)
+            else:
+                self.runs.append((offset, size, qtype))
+        widest = max(row_bytes(qtype, self.in_features) for qtype in self.shard_types.values())
+        layer.weight = nn.Parameter(torch.empty(self.out_features, widest, dtype=torch.uint8), requires_grad=False)
+        layer.weight.weight_loader = self._loader(layer)
+
+    def install(self, layer: nn.Module) -> None:
+        """Replace a packed layer's dense weight (not yet loaded) by the loading buffer of blocks."""
+        output_size, input_size = layer.weight.shape
+        self.create_weights(layer, input_size, output_size, bias=False)
+        layer.linear_method = self
+
+    def _loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
+            qtype = self.shard_types.get(shard_id)
+            if not isinstance(loaded, QuantizedTensor) or loaded.qtype != qtype:
+                got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
+                raise ValueError(f"expected {qtype} blocks for shard {shard_id!r}, got {got}")
+            # The layer cuts its rows as from a dense weight: give it this type's bytes of each row.
+            layer.weight_loader(param.data[:, :row_bytes(qtype, self.in_features)], loaded.blocks, shard_id)
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        blocks, parts = [], []
+        for first, rows, qtype in self.runs:
+            run = layer.weight.data[first:first + rows, :row_bytes(qtype, self.in_features)]
+            kernel_rows, kernel_type = kernel_blocks(run.contiguous(), qtype, self.in_features)
+            blocks.append(kernel_rows.reshape(-1))
+            parts.append((rows, kernel_type))
+        layer.weight.data = torch.cat(blocks)
+        self.parts = torch.tensor(parts, dtype=torch.int64)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.nanovllm_cpu.gguf_linear_parts(x, layer.weight, self.parts, self.out_features, bias,
+                                                        MAX_INTEGER_ROWS)
+
+    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
+        """As CPUGGUFLinearMethod's, the parts table in the packed copy's place."""
+        return PARTS_KIND, [layer.weight, self.parts, None], MAX_INTEGER_ROWS
