@@ -108,7 +108,7 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
 @pytest.mark.parametrize("qtype,in_features", [("Q4_1", 576), ("Q4_K", 768), ("Q6_K", 512)])
 def test_the_method_repacks_once_into_lanes(qtype, in_features):
     with pytest.raises(RuntimeError, match="no lanes layout"):
-        torch.ops.nanovllm_cpu.gguf_repack(random_blocks("Q8_0", 2, 256), 6, 256)
+        torch.ops.nanovllm_cpu.gguf_repack(random_blocks("Q8_0", 2, 256), 10, 256)
     blocks = random_blocks(qtype, 8, in_features)
     layer = torch.nn.Module()
     method = CPUGGUFLinearMethod(qtype, torch.float32)
@@ -203,8 +203,8 @@ def test_a_row_stride_wider_than_the_blocks_and_bad_input():
                                torch.ops.nanovllm_cpu.gguf_linear(x, blocks, 2, None, 16))
     with pytest.raises(RuntimeError, match="not a multiple"):
         torch.ops.nanovllm_cpu.gguf_linear(torch.randn(1, 48), blocks, 2, None, 16)
-    with pytest.raises(RuntimeError, match="GGUF type 6 has no kernel"):
-        torch.ops.nanovllm_cpu.gguf_dequantize(blocks, 6, 64)
+    with pytest.raises(RuntimeError, match="GGUF type 10 has no kernel"):
+        torch.ops.nanovllm_cpu.gguf_dequantize(blocks, 10, 64)
 
 
 @requires_default_model

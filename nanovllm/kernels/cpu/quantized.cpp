@@ -1,5 +1,5 @@
 // gguf_linear / gguf_dequantize: y = x W^T (+ b) over a weight kept in a GGUF block format (Q8_0,
-// Q4_0, Q4_1, Q4_K, Q6_K), rows as the file stores them: [N, row bytes], K/block blocks a row.
+// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), rows as the file stores them: [N, row bytes], K/block blocks a row.
 // gguf_linear_parts: the same over a packed layer whose projections differ in format, each part's
 // rows in its own, in one call (x quantized once, one parallel region over every part's rows).
 //
@@ -54,7 +54,8 @@ struct Q8_0 {
   static constexpr bool kOffset = false;
   static constexpr bool kWholeRow = false;
   // For the Lanes layout: a chunk's scale bytes, and a group's quad j from its values.
-  static constexpr int kScaleBytes = 2;
+  static constexpr int kScaleBytes = 2, kFifthBitBytes = 0;
+  static constexpr float kZeroPoint = 0.0f;  // what a value less it is scaled by d, with no minimum
   static simd::Quad quad(const uint8_t* values, int j) { return simd::byte_quad(values + 64 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
@@ -67,12 +68,13 @@ struct Q4_0 {
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
   static constexpr bool kWholeRow = false;
-  static constexpr int kScaleBytes = 2;
+  static constexpr int kScaleBytes = 2, kFifthBitBytes = 0;
+  static constexpr float kZeroPoint = 8.0f;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = simd::two_halves_at(b).first;
-    visit(c, simd::nibble_words(b + 2), simd::set1_8(d), -8.0f * d);
+    visit(c, simd::nibble_words(b + 2), simd::set1_8(d), -kZeroPoint * d);
   }
 };
 
@@ -81,12 +83,46 @@ struct Q4_1 {
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
   static constexpr bool kWholeRow = false;
-  static constexpr int kScaleBytes = 4;  // the scale, then the minimum
+  static constexpr int kScaleBytes = 4, kFifthBitBytes = 0;  // the scale, then the minimum
+  static constexpr float kZeroPoint = 0.0f;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const auto [d, m] = simd::two_halves_at(b);
     visit(c, simd::nibble_words(b + 4), simd::set1_8(d), m);
+  }
+};
+
+// Five-bit values: d (fp16; Q5_1's minimum after it), the values' fifth bits (32 bits, value j's in
+// bit j), then 16 bytes of their low four bits as Q4_0's. In a lanes group the fifth bits follow the
+// four nibble quads, 32 bytes whose words carry the sixteen vectors' bits (simd::five_bit_quad).
+struct Q5_0 {
+  static constexpr int kType = 6, kValues = 32, kBytes = 22;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
+  static constexpr int kScaleBytes = 2, kFifthBitBytes = 4;
+  static constexpr float kZeroPoint = 16.0f;
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = simd::two_halves_at(b).first;
+    visit(c, simd::five_bit_words(b + 2, b + 6), simd::set1_8(d), -kZeroPoint * d);
+  }
+};
+
+struct Q5_1 {
+  static constexpr int kType = 7, kValues = 32, kBytes = 24;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
+  static constexpr int kScaleBytes = 4, kFifthBitBytes = 4;
+  static constexpr float kZeroPoint = 0.0f;
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const auto [d, m] = simd::two_halves_at(b);
+    visit(c, simd::five_bit_words(b + 4, b + 8), simd::set1_8(d), m);
   }
 };
 
@@ -143,9 +179,9 @@ struct Q6_K {
   }
 };
 
-// Q8_0, Q4_0 or Q4_1 repacked at load (repack_lanes) for the decode kernel, in the same bytes a
-// chunk: each group of eight chunks (256 values) as its eight fp16 scales (Q4_1's eight minimums
-// after them), then its values as four quads (simd.h: lane l of every vector is chunk l's), so
+// Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 repacked at load (repack_lanes) for the decode kernel, in the same
+// bytes a chunk: each group of eight chunks (256 values) as its eight fp16 scales (Q4_1's and
+// Q5_1's eight minimums after them), then its values as four quads (the Q5 formats' fifth bits after them) (simd.h: lane l of every vector is chunk l's), so
 // that a group's integer sums come out as one vector of its chunks and meet their scales in one
 // multiply-add; the row's last K % 256 values stay the base format's blocks. Not GGML types: the
 // ids (1000 + the base's) are this project's, and layers/quantization/cpu_gguf.py names them too.
@@ -160,11 +196,11 @@ struct Lanes {
   static constexpr bool kTail = true;  // a row's last K % 256 values stay Base's blocks
   static constexpr int kGroupBytes = 8 * kBytes, kHeaderBytes = 8 * Base::kScaleBytes;
   static Vec8 scales(const uint8_t* group) { return simd::halves_at(group); }
-  // A group's eight offsets, given its scales d: Q4_1's minimums, Q4_0's -8 d (its nibbles are
-  // unsigned), none for Q8_0.
+  // A group's eight offsets, given its scales d: the minimums (Q4_1, Q5_1), or -zero point x d
+  // (Q4_0, Q5_0: their values are unsigned), none for Q8_0.
   static Vec8 offsets(const uint8_t* group, Vec8 d) {
     if constexpr (kMins) return simd::halves_at(group + 16);
-    return kOffset ? simd::mul8(d, simd::set1_8(-8.0f)) : simd::zero8();
+    return kOffset ? simd::mul8(d, simd::set1_8(-Base::kZeroPoint)) : simd::zero8();
   }
   static simd::Quad quad(const uint8_t* values, int j) { return Base::quad(values, j); }
 };
@@ -272,8 +308,18 @@ void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
       if constexpr (std::is_same_v<Base, Q8_0>) {
         // vector r's words 2c, 2c + 1: chunk c's values 2r, 2r + 1
         for (int r = 0; r < 16; r++) std::memcpy(values + 16 * r + 2 * c, block + 2 * r, 2);
-      } else {  // a block's byte v holds values v (low nibble) and 16 + v (high)
-        pack_chunk_nibbles(c, [&](int v) { return (block[v % 16] >> (4 * (v / 16))) & 0x0f; }, values);
+      } else {  // the nibbles' byte v holds values v (low nibble) and 16 + v (high)
+        const uint8_t* nibbles = block + Base::kFifthBitBytes;
+        pack_chunk_nibbles(c, [&](int v) { return (nibbles[v % 16] >> (4 * (v / 16))) & 0x0f; }, values);
+      }
+      if constexpr (Base::kFifthBitBytes > 0) {
+        // value 2r + p's fifth bit in bit r of word 2c + p
+        uint32_t fifth;
+        std::memcpy(&fifth, block, 4);
+        uint16_t* words = reinterpret_cast<uint16_t*>(values + 128);
+        if (c == 0) std::memset(words, 0, 32);
+        for (int r = 0; r < 16; r++)
+          for (int p = 0; p < 2; p++) words[2 * c + p] |= uint16_t(((fifth >> (2 * r + p)) & 1) << r);
       }
     }
   }
@@ -531,11 +577,15 @@ void with_format(int64_t type, Body&& body) {
     case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
     case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
     case Lanes<Q4_1>::kType: return body(Lanes<Q4_1>{});
+    case Q5_0::kType: return body(Q5_0{});
+    case Q5_1::kType: return body(Q5_1{});
+    case Lanes<Q5_0>::kType: return body(Lanes<Q5_0>{});
+    case Lanes<Q5_1>::kType: return body(Lanes<Q5_1>{});
     case Q4_KLanes::kType: return body(Q4_KLanes{});
     case Q6_KLanes::kType: return body(Q6_KLanes{});
   }
-  TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), "
-              "Q6_K (14)");
+  TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), "
+              "Q8_0 (8), Q4_K (12), Q6_K (14)");
 }
 
 // Rows of x per pass over a weight row: the accumulators with a weight chunk and its scale fit
@@ -835,11 +885,13 @@ at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_featur
     case Q8_0::kType: repack(Q8_0{}, Lanes<Q8_0>{}, repack_lanes<Q8_0>); break;
     case Q4_0::kType: repack(Q4_0{}, Lanes<Q4_0>{}, repack_lanes<Q4_0>); break;
     case Q4_1::kType: repack(Q4_1{}, Lanes<Q4_1>{}, repack_lanes<Q4_1>); break;
+    case Q5_0::kType: repack(Q5_0{}, Lanes<Q5_0>{}, repack_lanes<Q5_0>); break;
+    case Q5_1::kType: repack(Q5_1{}, Lanes<Q5_1>{}, repack_lanes<Q5_1>); break;
     case Q4_K::kType: repack(Q4_K{}, Q4_KLanes{}, repack_q4_k_lanes); break;
     case Q6_K::kType: repack(Q6_K{}, Q6_KLanes{}, repack_q6_k_lanes); break;
     default:
-      TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3), Q8_0 (8), "
-                  "Q4_K (12) and Q6_K (14) have");
+      TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+                  "Q5_1 (7), Q8_0 (8), Q4_K (12) and Q6_K (14) have");
   }
   return out;
 }

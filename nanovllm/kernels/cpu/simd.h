@@ -425,6 +425,19 @@ inline Words high_nibble_words(const uint8_t* p) {
   return {_mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 4),
           _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p + 1)), 4)};
 }
+// Five-bit values: nibble_words(qs), each value j's fifth bit bit j of the 32 bits at qh.
+inline Words five_bit_words(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t high;
+  std::memcpy(&high, qh, 4);
+  const __m256i select = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                           int16_t(0x8000));
+  const auto fifth = [&](uint32_t half) {  // 16 for the words whose bit is set
+    const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(int16_t(half)), select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi16(16));
+  };
+  const Words low = nibble_words(qs);
+  return {_mm256_or_si256(low.lo, fifth(high & 0xffff)), _mm256_or_si256(low.hi, fifth(high >> 16))};
+}
 inline Words load_words(const int16_t* p) {
   return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1)};
 }
@@ -480,6 +493,18 @@ inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs) {
       first == 0 ? top : _mm256_srli_epi16(top, 8), mask)), bias);
   q.v[3] = _mm256_sub_epi16(_mm256_or_si256(low.v[3], _mm256_and_si256(_mm256_srli_epi16(top, 2 * first + 2), mask)),
                             bias);
+  return q;
+}
+// Five-bit values: a nibble quad's low four bits, and the fifth from 32 bytes whose words carry
+// sixteen vectors' bits (vector r in bit r), of which this quad's four start at vector 4 j.
+inline Quad five_bit_quad(const uint8_t* nibbles, const uint8_t* fifth_bits, int j) {
+  Quad q = nibble_quad(nibbles);
+  const __m256i top = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)fifth_bits), _mm_cvtsi32_si128(4 * j));
+  const __m256i mask = _mm256_set1_epi16(0x10);
+  q.v[0] = _mm256_or_si256(q.v[0], _mm256_and_si256(_mm256_slli_epi16(top, 4), mask));
+  q.v[1] = _mm256_or_si256(q.v[1], _mm256_and_si256(_mm256_slli_epi16(top, 3), mask));
+  q.v[2] = _mm256_or_si256(q.v[2], _mm256_and_si256(_mm256_slli_epi16(top, 2), mask));
+  q.v[3] = _mm256_or_si256(q.v[3], _mm256_and_si256(_mm256_slli_epi16(top, 1), mask));
   return q;
 }
 // s plus the quad's products with its 64 words of x (laid out as the quad is).
@@ -618,6 +643,13 @@ inline Words high_nibble_words(const uint8_t* p) {
   for (int j = 0; j < 32; j++) w.v[j] = int16_t(p[j] >> 4);
   return w;
 }
+inline Words five_bit_words(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t high;
+  std::memcpy(&high, qh, 4);
+  Words w = nibble_words(qs);
+  for (int j = 0; j < 32; j++) w.v[j] = int16_t(w.v[j] | ((high >> j) & 1) << 4);
+  return w;
+}
 inline Words load_words(const int16_t* p) {
   Words w;
   std::memcpy(w.v, p, 64);
@@ -658,6 +690,14 @@ inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs) {
   for (int i = 0; i < 16; i++) {
     const int word = crumbs[2 * i] | crumbs[2 * i + 1] << 8;
     for (int k = 0; k < 4; k++) q.v[k][i] = int16_t((q.v[k][i] | ((word >> (2 * (first + k))) & 3) << 4) - 32);
+  }
+  return q;
+}
+inline Quad five_bit_quad(const uint8_t* nibbles, const uint8_t* fifth_bits, int j) {
+  Quad q = nibble_quad(nibbles);
+  for (int i = 0; i < 16; i++) {
+    const int word = fifth_bits[2 * i] | fifth_bits[2 * i + 1] << 8;
+    for (int k = 0; k < 4; k++) q.v[k][i] = int16_t(q.v[k][i] | ((word >> (4 * j + k)) & 1) << 4);
   }
   return q;
 }

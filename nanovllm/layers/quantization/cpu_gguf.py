@@ -1,11 +1,11 @@
-"""The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K,
-Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp): few rows as integer dot
+"""The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp): few rows as integer dot
 products over activations quantized to 16-bit blocks, more rows by an fp32 GEMM over weight rows
 dequantized a few at a time into cache.
 
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
 weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). Once
-loaded, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows are repacked into the kernels' lanes layouts (a group of
+loaded, every format's rows are repacked into the kernels' lanes layouts (a group of
 eight 32-value chunks' sums in one vector's lanes; the same bytes a row, or for Q4_K 148 bytes a
 256-value block instead of 144): from then on the kernels take the layout's own type id. An
 embedding looks up rows of blocks and dequantizes only those.
@@ -25,7 +25,7 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 MAX_INTEGER_ROWS = 10
 # The formats repacked into a lanes layout at load, and its type ids: 1000 + the GGML type's
 # (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes and Q6_KLanes).
-LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 LANES_TYPE_BASE = 1000
 # decoder_layer.cpp's kind for a linear in parts of differing types.
 PARTS_KIND = -2
