@@ -162,6 +162,28 @@ def test_parts_of_differing_types_are_each_parts_product(lanes):
                                                      mixed, 64, None, 10)
 
 
+def test_the_parts_method_loads_each_shard_in_its_own_type():
+    """gate in Q4_K, up in Q6_K: the layer's product is the two parts' own; a shard in another
+    type, or dense, is refused naming the shard."""
+    from nanovllm.distributed.parallel_state import SINGLE
+    from nanovllm.layers.linear import MergedColumnParallelLinear
+    from nanovllm.layers.quantization.cpu_gguf import CPUGGUFPartsLinearMethod
+    layer = MergedColumnParallelLinear(256, [24, 40], tp_group=SINGLE)
+    method = CPUGGUFPartsLinearMethod({0: "Q4_K", 1: "Q6_K"}, torch.float32)
+    method.install(layer)
+    gate, up = random_blocks("Q4_K", 24, 256, seed=1), random_blocks("Q6_K", 40, 256, seed=2)
+    with pytest.raises(ValueError, match="expected Q6_K blocks for shard 1, got Q4_K"):
+        layer.weight.weight_loader(layer.weight, QuantizedTensor(gate, "Q4_K", 256), 1)
+    with pytest.raises(ValueError, match="expected Q4_K blocks for shard 0, got a dense"):
+        layer.weight.weight_loader(layer.weight, torch.randn(24, 256), 0)
+    layer.weight.weight_loader(layer.weight, QuantizedTensor(gate, "Q4_K", 256), 0)
+    layer.weight.weight_loader(layer.weight, QuantizedTensor(up, "Q6_K", 256), 1)
+    method.process_weights_after_loading(layer)
+    x = torch.randn(3, 256)
+    expected = x @ torch.cat([reference_dequantize(gate, "Q4_K", 256), reference_dequantize(up, "Q6_K", 256)]).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
 def test_a_file_mixing_types_in_packed_layers_keeps_every_layer_in_blocks(tmp_path):
     """Q4_K_M-like: q and k in Q4_K, v in Q6_K, gate in Q4_0 and up in Q8_0. Every linear layer
     stays in blocks (the packed ones in parts), agrees with the file dequantized at load, and runs

@@ -40,7 +40,24 @@ def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[t
             LANES_TYPE_BASE + BLOCK_TYPES[qtype])
 
 
-class CPUGGUFLinearMethod(LinearMethod):
+class _BlocksMethod(LinearMethod):
+    """What both block methods share: installed on a built layer in place of its dense weight (not
+    yet loaded), and the check of what a checkpoint hands the weight loader."""
+
+    def install(self, layer: nn.Module) -> None:
+        output_size, input_size = layer.weight.shape
+        self.create_weights(layer, input_size, output_size, bias=False)
+        layer.linear_method = self
+
+    @staticmethod
+    def _blocks_of(loaded: QuantizedTensor, qtype: str, what: str = "") -> torch.Tensor:
+        if not isinstance(loaded, QuantizedTensor) or loaded.qtype != qtype:
+            got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
+            raise ValueError(f"expected {qtype} blocks{what}, got {got}")
+        return loaded.blocks
+
+
+class CPUGGUFLinearMethod(_BlocksMethod):
     def __init__(self, qtype: str, dtype: torch.dtype):
         self.qtype = qtype
         self.type_id = BLOCK_TYPES[qtype]
@@ -54,18 +71,9 @@ class CPUGGUFLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(blocks, requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
 
-    def install(self, layer: nn.Module) -> None:
-        """Replace a layer's dense weight (not yet loaded) by blocks of the same rows and columns."""
-        output_size, input_size = layer.weight.shape
-        self.create_weights(layer, input_size, output_size, bias=False)
-        layer.linear_method = self
-
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
-            if not isinstance(loaded, QuantizedTensor) or loaded.qtype != self.qtype:
-                got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
-                raise ValueError(f"expected {self.qtype} blocks, got {got}")
-            layer.weight_loader(param, loaded.blocks, shard_id)
+            layer.weight_loader(param, self._blocks_of(loaded, self.qtype), shard_id)
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -93,7 +101,7 @@ class CPUGGUFLinearMethod(LinearMethod):
         return values.to(self.dtype).view(*ids.shape, -1)
 
 
-class CPUGGUFPartsLinearMethod(LinearMethod):
+class CPUGGUFPartsLinearMethod(_BlocksMethod):
     """A packed layer whose projections come in different block types (`shard_types`: shard id ->
     GGML type), each kept in its own. While loading, the weight is [rows, widest row's bytes], each
     projection's rows filling their own type's bytes of it; once loaded, each run of rows of one
@@ -118,20 +126,12 @@ class CPUGGUFPartsLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(self.out_features, widest, dtype=torch.uint8), requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
 
-    def install(self, layer: nn.Module) -> None:
-        """Replace a packed layer's dense weight (not yet loaded) by the loading buffer of blocks."""
-        output_size, input_size = layer.weight.shape
-        self.create_weights(layer, input_size, output_size, bias=False)
-        layer.linear_method = self
-
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
             qtype = self.shard_types.get(shard_id)
-            if not isinstance(loaded, QuantizedTensor) or loaded.qtype != qtype:
-                got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
-                raise ValueError(f"expected {qtype} blocks for shard {shard_id!r}, got {got}")
+            blocks = self._blocks_of(loaded, qtype, f" for shard {shard_id!r}")
             # The layer cuts its rows as from a dense weight: give it this type's bytes of each row.
-            layer.weight_loader(param.data[:, :row_bytes(qtype, self.in_features)], loaded.blocks, shard_id)
+            layer.weight_loader(param.data[:, :row_bytes(qtype, self.in_features)], blocks, shard_id)
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
