@@ -54,11 +54,9 @@ def write_tiny_gguf(path: str | Path, shape, type_of, seed: int = 0) -> str:
     types it can, the others (K-quants) are random blocks."""
     from nanovllm.entrypoints import bench_twins
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), shape.architecture)
-    bench_twins._add_model_metadata(writer, shape)
-    bench_twins._add_tokenizer(writer, shape.vocab_size)
+    writer = bench_twins.twin_writer(shape, str(path))
     for name, dims in bench_twins.tensor_shapes(shape).items():
-        values = bench_twins._random_tensor(name, dims, rng)
+        values = bench_twins.random_tensor(name, dims, rng)
         qtype = type_of(name) if len(dims) == 2 else None
         if qtype is None:
             writer.add_tensor(name, values)

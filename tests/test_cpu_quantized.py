@@ -21,7 +21,7 @@ from conftest import (GGUF_SCALE_OFFSETS, make_tiny_checkpoint, random_gguf_bloc
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.entrypoints.bench_twins import TwinShape
-from nanovllm.layers.quantization.cpu_gguf import LANES_FORMATS, LANES_TYPE_BASE, CPUGGUFLinearMethod, kernel_blocks
+from nanovllm.layers.quantization.cpu_gguf import LANES_TYPE_BASE, CPUGGUFLinearMethod, kernel_blocks
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, block_values
 
 if not cpu_kernels.available():
@@ -86,7 +86,7 @@ def test_dequantizing_path_is_the_fp32_product(qtype, dtype):
         torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype,in_features", [(qtype, k) for qtype in LANES_FORMATS for k in (64, 256, 576, 1536)
+@pytest.mark.parametrize("qtype,in_features", [(qtype, k) for qtype in BLOCK_TYPES for k in (64, 256, 576, 1536)
                                                 if k % block_values(qtype) == 0])  # rows of whole blocks
 def test_lanes_layout_is_the_blocks(qtype, in_features):
     n = 37

@@ -147,7 +147,9 @@ def _file_dtype(dims: tuple[int, ...]) -> np.dtype:
     return np.dtype(np.float32 if len(dims) == 1 else np.float16)
 
 
-def _random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A twin's tensor `name`: norms all ones, the rest seeded normal values (F32 or F16, as the
+    converter would store them)."""
     if "norm" in name:
         return np.ones(dims, dtype=np.float32)
     return (rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD).astype(_file_dtype(dims))
@@ -156,10 +158,7 @@ def _random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator) -
 def write_f16_twin(shape: TwinShape, path: str) -> None:
     """Write `shape`'s twin to `path`, one tensor at a time (a whole model in memory at once
     would be twice the file)."""
-    import gguf
-    writer = gguf.GGUFWriter(path, shape.architecture)
-    _add_model_metadata(writer, shape)
-    _add_tokenizer(writer, shape.vocab_size)
+    writer = twin_writer(shape, path)
     tensors = tensor_shapes(shape)
     for name, dims in tensors.items():
         writer.add_tensor_info(name, dims, _file_dtype(dims), math.prod(dims) * _file_dtype(dims).itemsize)
@@ -168,8 +167,18 @@ def write_f16_twin(shape: TwinShape, path: str) -> None:
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(SEED)
     for name, dims in tensors.items():
-        writer.write_tensor_data(_random_tensor(name, dims, rng))
+        writer.write_tensor_data(random_tensor(name, dims, rng))
     writer.close()
+
+
+def twin_writer(shape: TwinShape, path: str):
+    """A gguf.GGUFWriter for `path` holding `shape`'s metadata and vocabulary, as every twin's file
+    does; the tensors are the caller's to add."""
+    import gguf
+    writer = gguf.GGUFWriter(path, shape.architecture)
+    _add_model_metadata(writer, shape)
+    _add_tokenizer(writer, shape.vocab_size)
+    return writer
 
 
 def _add_model_metadata(writer, shape: TwinShape) -> None:

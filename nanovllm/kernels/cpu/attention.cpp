@@ -284,8 +284,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
-  // Work items of up to 16 query rows, heaviest first, dealt out to threads in turn: causal
-  // rows late in a long prompt cost far more than early ones or than a short decode.
+  // Work items of up to 16 query rows, heaviest first (causal rows late in a long prompt cost far
+  // more than early ones or than a short decode), claimed by the pool's threads as they come: a
+  // thread that another process holds up leaves its untaken items to the others.
   constexpr int64_t kRowsPerItem = 16;
   std::vector<Item> items;
   for (int64_t b = 0; b < B; b++) {
@@ -298,37 +299,33 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int64_t n_items = int64_t(items.size());
-  const int64_t threads = std::min<int64_t>(pool_threads(), std::max<int64_t>(n_items, 1));
 
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     const T* kc = k_cache.data_ptr<T>();
     const T* vc = v_cache.data_ptr<T>();
-    parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<Row<T>> rows;
       std::vector<float> scratch;
-      for (int64_t worker = begin; worker < end; worker++) {
-        for (int64_t i = worker; i < n_items; i += threads) {
-          const Item& it = items[i];
-          const int64_t first_pos = lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]);
-          rows.clear();
-          for (int64_t row = it.row_begin; row < it.row_end; row++)
-            for (int64_t g = 0; g < G; g++) {
-              const int64_t head = it.head * G + g;
-              rows.push_back({q.data_ptr<T>() + row * q.stride(0) + head * q.stride(1),
-                              out.data_ptr<T>() + row * out.stride(0) + head * out.stride(1),
-                              first_pos + row - cu[it.seq]});
-            }
-          const Paged pg{tables + it.seq * max_blocks, bs, D, num_blocks, it.head};
-          if constexpr (std::is_same_v<T, BFloat16>) {
-            if (D % 16 == 0 && D <= 128 && bs % 16 == 0) {
-              kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, float(scale));
-              continue;
-            }
+      for (int64_t i = begin; i < end; i++) {
+        const Item& it = items[i];
+        const int64_t first_pos = lens[it.seq] - (cu[it.seq + 1] - cu[it.seq]);
+        rows.clear();
+        for (int64_t row = it.row_begin; row < it.row_end; row++)
+          for (int64_t g = 0; g < G; g++) {
+            const int64_t head = it.head * G + g;
+            rows.push_back({q.data_ptr<T>() + row * q.stride(0) + head * q.stride(1),
+                            out.data_ptr<T>() + row * out.stride(0) + head * out.stride(1),
+                            first_pos + row - cu[it.seq]});
           }
-          attend_rows_generic<T>(rows.data(), int(rows.size()), kc, vc, pg, float(scale), scratch);
+        const Paged pg{tables + it.seq * max_blocks, bs, D, num_blocks, it.head};
+        if constexpr (std::is_same_v<T, BFloat16>) {
+          if (D % 16 == 0 && D <= 128 && bs % 16 == 0) {
+            kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, float(scale));
+            continue;
+          }
         }
+        attend_rows_generic<T>(rows.data(), int(rows.size()), kc, vc, pg, float(scale), scratch);
       }
     });
   };

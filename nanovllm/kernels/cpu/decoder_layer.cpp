@@ -50,10 +50,8 @@ at::Tensor apply_linear(Linear which, const at::Tensor& x, const LayerWeights& w
                                   bias = weights.weight(first + 3);
   if (kind >= 0) return gguf_linear(x, weight, kind, bias, max_rows);
   if (kind == kGGUFParts) {
-    const at::Tensor parts = packed.value();  // (rows, type) a part: their rows are the output's width
-    int64_t out_features = 0;
-    for (int64_t p = 0; p < parts.size(0); p++) out_features += parts.data_ptr<int64_t>()[2 * p];
-    return gguf_linear_parts(x, weight, parts, out_features, bias, max_rows);
+    const at::Tensor& parts = packed.value();
+    return gguf_linear_parts(x, weight, parts, gguf_parts_rows(parts), bias, max_rows);
   }
   TORCH_CHECK(kind == kPackedBF16, "decoder_layers: linear kind ", kind, " is none of a GGUF type, ", kGGUFParts,
               " (GGUF parts) or ", kPackedBF16, " (packed bf16)");

@@ -243,8 +243,7 @@ struct Q6_KLanes {
   static Vec8 high_scales(const uint8_t* group) { return scaled(group, 10); }  // their second halves
   static Vec8 offsets(const uint8_t*, Vec8) { return simd::zero8(); }
   static simd::Quad quad(const uint8_t* values, int j) {
-    const uint8_t* crumbs = values + 128 + 32 * (j / 2);
-    return j % 2 == 0 ? simd::six_bit_quad<0>(values + 32 * j, crumbs) : simd::six_bit_quad<4>(values + 32 * j, crumbs);
+    return simd::six_bit_quad(values + 32 * j, values + 128 + 32 * (j / 2), 4 * (j % 2));
   }
 
  private:
@@ -824,32 +823,42 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
                            N, bias, max_integer_rows);
 }
 
+int64_t gguf_parts_rows(const at::Tensor& parts) {
+  TORCH_CHECK(parts.dim() == 2 && parts.size(1) == 2 && parts.size(0) > 0 && parts.scalar_type() == at::kLong &&
+                  parts.is_contiguous(), "gguf_linear_parts: parts must be int64 [parts, 2]: (rows, GGUF type)");
+  const int64_t* table = parts.data_ptr<int64_t>();
+  int64_t rows = 0;
+  for (int64_t p = 0; p < parts.size(0); p++) {
+    TORCH_CHECK(table[2 * p] > 0, "gguf_linear_parts: part ", p, " has ", table[2 * p], " rows");
+    rows += table[2 * p];
+  }
+  return rows;
+}
+
 at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
                              int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
   TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "gguf_linear_parts: the parts' rows as one contiguous uint8 tensor");
-  TORCH_CHECK(parts.dim() == 2 && parts.size(1) == 2 && parts.size(0) > 0 && parts.scalar_type() == at::kLong &&
-                  parts.is_contiguous(), "gguf_linear_parts: parts must be int64 [parts, 2]: (rows, GGUF type)");
+  const int64_t N = gguf_parts_rows(parts);
+  TORCH_CHECK(N == out_features, "gguf_linear_parts: the parts hold ", N, " rows, not out_features=", out_features);
   const int64_t K = x.size(-1);
   const int64_t* table = parts.data_ptr<int64_t>();
   std::vector<Part> list;
-  int64_t N = 0, offset = 0, lanes_parts = 0;
+  int64_t first = 0, offset = 0, lanes_parts = 0;
   for (int64_t p = 0; p < parts.size(0); p++) {
     const int64_t rows = table[2 * p], type = table[2 * p + 1];
-    TORCH_CHECK(rows > 0, "gguf_linear_parts: part ", p, " has ", rows, " rows");
     with_format(type, [&](auto format) {
       using F = decltype(format);
       TORCH_CHECK(K % F::kValues == 0, "K=", K, " is not a multiple of the format's block of ", F::kValues, " values");
       const int64_t row_bytes = K / F::kValues * F::kBytes;
-      list.push_back(Part{type, blocks.data_ptr<uint8_t>() + offset, row_bytes, N, rows});
+      list.push_back(Part{type, blocks.data_ptr<uint8_t>() + offset, row_bytes, first, rows});
       lanes_parts += F::kWholeRow;
       offset += rows * row_bytes;
     });
-    N += rows;
+    first += rows;
   }
   TORCH_CHECK(offset == blocks.numel(), "gguf_linear_parts: the parts' rows take ", offset, " bytes; blocks hold ",
               blocks.numel());
-  TORCH_CHECK(N == out_features, "gguf_linear_parts: the parts hold ", N, " rows, not out_features=", out_features);
   TORCH_CHECK(lanes_parts == 0 || lanes_parts == int64_t(list.size()),
               "gguf_linear_parts: the parts must be all in lanes layouts or none");
   return linear_over_parts("gguf_linear_parts", x, list, lanes_parts > 0, N, bias, max_integer_rows);

@@ -478,21 +478,15 @@ inline Quad byte_quad(const uint8_t* p) {
 // Six-bit values less 32: a nibble quad's low four bits, and the top two from 32 bytes whose
 // words carry eight vectors' two bits each (vector k in bits 2k, 2k + 1), of which this quad's
 // four start at vector `first` (0 or 4).
-template <int first>
-inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs) {
-  const Quad low = nibble_quad(nibbles);
-  const __m256i top = _mm256_loadu_si256((const __m256i*)crumbs), mask = _mm256_set1_epi16(0x30);
-  const __m256i bias = _mm256_set1_epi16(32);
-  Quad q;
+inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs, int first) {
+  Quad q = nibble_quad(nibbles);
+  const __m256i top = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)crumbs), _mm_cvtsi32_si128(2 * first));
+  const __m256i mask = _mm256_set1_epi16(0x30), bias = _mm256_set1_epi16(32);
   // vector first + k's two bits moved to bits 4 and 5
-  q.v[0] = _mm256_sub_epi16(_mm256_or_si256(low.v[0], _mm256_and_si256(
-      first == 0 ? _mm256_slli_epi16(top, 4) : _mm256_srli_epi16(top, 4), mask)), bias);
-  q.v[1] = _mm256_sub_epi16(_mm256_or_si256(low.v[1], _mm256_and_si256(
-      first == 0 ? _mm256_slli_epi16(top, 2) : _mm256_srli_epi16(top, 6), mask)), bias);
-  q.v[2] = _mm256_sub_epi16(_mm256_or_si256(low.v[2], _mm256_and_si256(
-      first == 0 ? top : _mm256_srli_epi16(top, 8), mask)), bias);
-  q.v[3] = _mm256_sub_epi16(_mm256_or_si256(low.v[3], _mm256_and_si256(_mm256_srli_epi16(top, 2 * first + 2), mask)),
-                            bias);
+  q.v[0] = _mm256_sub_epi16(_mm256_or_si256(q.v[0], _mm256_and_si256(_mm256_slli_epi16(top, 4), mask)), bias);
+  q.v[1] = _mm256_sub_epi16(_mm256_or_si256(q.v[1], _mm256_and_si256(_mm256_slli_epi16(top, 2), mask)), bias);
+  q.v[2] = _mm256_sub_epi16(_mm256_or_si256(q.v[2], _mm256_and_si256(top, mask)), bias);
+  q.v[3] = _mm256_sub_epi16(_mm256_or_si256(q.v[3], _mm256_and_si256(_mm256_srli_epi16(top, 2), mask)), bias);
   return q;
 }
 // Five-bit values: a nibble quad's low four bits, and the fifth from 32 bytes whose words carry
@@ -684,8 +678,7 @@ inline Quad byte_quad(const uint8_t* p) {
     for (int i = 0; i < 16; i++) q.v[k][i] = int8_t(p[16 * k + i]);
   return q;
 }
-template <int first>
-inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs) {
+inline Quad six_bit_quad(const uint8_t* nibbles, const uint8_t* crumbs, int first) {
   Quad q = nibble_quad(nibbles);
   for (int i = 0; i < 16; i++) {
     const int word = crumbs[2 * i] | crumbs[2 * i + 1] << 8;

@@ -157,9 +157,9 @@ struct InsidePool {
   ~InsidePool() { inside_pool = false; }
 };
 
-}  // namespace
-
 int pool_threads() { return std::max(1, at::get_num_threads()); }
+
+}  // namespace
 
 void run_parallel(int64_t begin, int64_t end, int64_t grain, void (*body)(void*, int64_t, int64_t), void* context) {
   const int threads = pool_threads();

@@ -1,5 +1,5 @@
-// parallel_for: the kernels' own fork-join over torch's intra-op thread count, made to behave on
-// a machine whose cores other processes also want.
+// parallel_for: the kernels' own fork-join over torch's intra-op thread count
+// (torch.set_num_threads), made to behave on a machine whose cores other processes also want.
 //
 // at::parallel_for (OpenMP under torch) splits a range statically, one piece a thread, and its
 // idle threads spin for milliseconds before they sleep. A decode token crosses hundreds of such
@@ -17,9 +17,6 @@
 #include <cstdint>
 
 namespace nanovllm_cpu {
-
-// The threads a parallel_for runs on: torch's intra-op thread count (torch.set_num_threads).
-int pool_threads();
 
 // body(context, begin, end) over [begin, end) cut into chunks of at least `grain` elements.
 void run_parallel(int64_t begin, int64_t end, int64_t grain, void (*body)(void*, int64_t, int64_t), void* context);

@@ -23,19 +23,16 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
 # Rows up to which the integer kernel runs; above, the dequantizing GEMM (benchmarks/RESULTS.md).
 MAX_INTEGER_ROWS = 10
-# The formats repacked into a lanes layout at load, and its type ids: 1000 + the GGML type's
-# (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes and Q6_KLanes).
-LANES_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+# Every kept format is repacked into its lanes layout at load, whose type id is 1000 + the GGML
+# type's (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes and Q6_KLanes).
 LANES_TYPE_BASE = 1000
 # decoder_layer.cpp's kind for a linear in parts of differing types.
 PARTS_KIND = -2
 
 
 def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, int]:
-    """Rows of `qtype` blocks as the kernels take them, and the type id they then have: repacked
-    into the format's lanes layout where it has one."""
-    if qtype not in LANES_FORMATS:
-        return blocks, BLOCK_TYPES[qtype]
+    """Rows of `qtype` blocks (rows may be strided) as the kernels take them, repacked into the
+    format's lanes layout, and that layout's type id."""
     return (torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features),
             LANES_TYPE_BASE + BLOCK_TYPES[qtype])
 
@@ -138,8 +135,8 @@ class CPUGGUFPartsLinearMethod(_BlocksMethod):
         blocks, parts = [], []
         for first, rows, qtype in self.runs:
             run = layer.weight.data[first:first + rows, :row_bytes(qtype, self.in_features)]
-            kernel_rows, kernel_type = kernel_blocks(run.contiguous(), qtype, self.in_features)
-            blocks.append(kernel_rows.reshape(-1))
+            kernel_rows, kernel_type = kernel_blocks(run, qtype, self.in_features)
+            blocks.append(kernel_rows.view(-1))
             parts.append((rows, kernel_type))
         layer.weight.data = torch.cat(blocks)
         self.parts = torch.tensor(parts, dtype=torch.int64)
