@@ -250,11 +250,13 @@ def test_chat_keeps_history_and_stops_at_exit(capsys, monkeypatch, tiny_model):
 
 # Small cache and context: start-up is dominated by model loading, not by zeroing a large cache.
 _FAST = ["--kv-cache-memory-gb", "0.1", "--max-model-len", "1024", "--enforce-eager"]
-_JSON_PROMPTS = ["What is the capital of France?", "Name one colour of the rainbow."]
+# The bare question is a near-tie for this file in bf16 ("The" and "L" within 0.03 nats; llama.cpp
+# answers "L'Étoile, la Marseillaise..."): asked for a sentence, both answer "The capital of France is Paris."
+_JSON_PROMPTS = ["What is the capital of France? Answer in one sentence.", "Name one colour of the rainbow."]
 _DEFAULT_MODEL_RUNS = {
-    "generate": (["generate", "What is the capital of France?", "--max-tokens", "24"], None),
+    "generate": (["generate", _JSON_PROMPTS[0], "--max-tokens", "24"], None),
     "json_from_stdin": (["generate", "--json", "--max-tokens", "16"], "\n".join(_JSON_PROMPTS) + "\n"),
-    "chat": (["chat", "--max-tokens", "32"], "What is the capital of France?\nAnd what is the capital of Germany?\n"
+    "chat": (["chat", "--max-tokens", "32"], _JSON_PROMPTS[0] + "\nAnd what is the capital of Germany?\n"
                                             "/exit\n"),
 }
 

@@ -77,9 +77,10 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(engines, references, mode
 
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 def test_known_answer(engines, mode):
-    # The first token is nearly tied in fp32 ("The" 0.08 nats ahead of "L"): a compiled graph that
-    # rounded differently from eager once answered "L'Étoile, la Marseillaise" here.
-    out = engines[mode].chat([{"role": "user", "content": "What is the capital of France?"}],
+    # The bare question's first token is nearly tied ("The" 0.08 nats ahead of "L" in fp32, behind
+    # it in bf16 on the blocks, and llama.cpp on this file answers "L'Étoile, la Marseillaise");
+    # asked for a sentence, the answer is clear.
+    out = engines[mode].chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                              SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
 

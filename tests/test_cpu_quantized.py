@@ -2,10 +2,10 @@
 engine keeping a checkpoint's weights in blocks.
 
 Dequantization: bit-exact against gguf-py's reference for every block format the kernels run.
-The integer path (few rows, x quantized to 16-bit blocks): against the fp32 product of the
+The streaming kernel (few rows, x quantized to 16-bit blocks): against the fp32 product of the
 dequantized weight and x, for rows in one pass, in passes split evenly, bf16 and fp32 x, with a
-bias. The dequantizing path (many rows): against the fp32 product, over several panels. Real
-tensors of each type of the default file too. The lanes layouts (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+bias. The tiled kernel (many rows): the streaming kernel's results bit for bit, and each row's
+alone (batch invariance). Real tensors of each type of the default file too. The lanes layouts (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
 repacked at load): dequantized bit for bit as the file's blocks, and both paths the blocks' own results, for
 rows of whole groups of 256 values, with a tail of blocks, and shorter than a group. A packed
 layer whose projections differ in type: each part its own type's product, and a GGUF file whose
@@ -53,7 +53,7 @@ def test_dequantize_matches_gguf(qtype, rows, in_features):
 @pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_integer_path_is_the_product(qtype, m, dtype):
+def test_streaming_kernel_is_the_product(qtype, m, dtype):
     """x in 16-bit blocks: the product of x itself to fp32 rounding (and bf16 output rounding)."""
     n, k = 37, 512
     blocks = random_blocks(qtype, n, k, seed=m)
@@ -66,24 +66,26 @@ def test_integer_path_is_the_product(qtype, m, dtype):
     torch.testing.assert_close(y.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("qtype", list(BLOCK_TYPES))
+@pytest.mark.parametrize("qtype,in_features", [(qtype, k) for qtype in BLOCK_TYPES for k in (256, 576, 1024)
+                                                if k % block_values(qtype) == 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantizing_path_is_the_fp32_product(qtype, dtype):
-    """Rows past a group of 16, weight rows past a block of tiles, a bias, any leading dims: the
-    fp32 product to within the rounding of a K-term sum (and bf16 output rounding)."""
-    n, k, m = 300, 256, 40
-    blocks = random_blocks(qtype, n, k)
-    x = torch.randn(2, m // 2, k).to(dtype)
+def test_tiled_kernel_is_the_streaming_kernel_bit_for_bit(qtype, in_features, dtype):
+    """Many rows of x (weight rows past a task's block, x rows past a tile, a row's tail of blocks,
+    a bias, leading dims): every element the same bits as the streaming kernel's, and as each
+    row of x alone; and near the fp32 product of x (to the rounding of x into 16-bit blocks)."""
+    n, m = 101, 41
+    blocks = random_blocks(qtype, n, in_features)
+    lanes, kind = kernel_blocks(blocks, qtype, in_features)
+    x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(in_features)).to(dtype)
     bias = torch.randn(n).to(dtype)
-    y = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], bias, 16)
-    weight = reference_dequantize(blocks, qtype, k).double()
-    expected = x.double() @ weight.T + bias.double()
-    assert y.dtype == dtype and y.shape == (2, m // 2, n)
-    if dtype == torch.float32:
-        bound = k * 2.0**-24 * (x.double().abs() @ weight.abs().T + bias.double().abs())
-        assert ((y.double() - expected).abs() <= bound).all()
-    else:
-        torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    tiled = torch.ops.nanovllm_cpu.gguf_linear(x.view(1, m, in_features), lanes, kind, bias, 0)
+    assert tiled.dtype == dtype and tiled.shape == (1, m, n)
+    assert torch.equal(tiled[0], torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, bias, m))
+    alone = torch.cat([torch.ops.nanovllm_cpu.gguf_linear(x[i:i + 1], lanes, kind, bias, 10) for i in range(m)])
+    assert torch.equal(tiled[0], alone)
+    expected = x.float() @ reference_dequantize(blocks, qtype, in_features).T + bias.float()
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(tiled[0].float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype,in_features", [(qtype, k) for qtype in BLOCK_TYPES for k in (64, 256, 576, 1536)
@@ -98,7 +100,7 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
     assert lanes.shape == (n, row_bytes) and lanes.dtype == torch.uint8
     assert torch.equal(torch.ops.nanovllm_cpu.gguf_dequantize(lanes, kind, in_features),
                        reference_dequantize(blocks, qtype, in_features))
-    for m in (1, 2, 5, 10, 40):  # the integer path in one pass, in two; the dequantizing GEMM
+    for m in (1, 2, 5, 10, 40):  # streaming in one pass, in two; tiled
         x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
         got = torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 10)
         expected = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 10)
@@ -141,7 +143,7 @@ def test_parts_of_differing_types_are_each_parts_product(lanes):
     table = torch.tensor([(n, t) for (_, n), t in zip(parts, types)])
     n = sum(n for _, n in parts)
     bias = torch.randn(n)
-    for m in (1, 3, 10, 11, 40):  # the integer path, in one pass and in two; the dequantizing GEMM
+    for m in (1, 3, 10, 11, 40):  # streaming in one pass and in two; tiled (lanes)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         got = torch.ops.nanovllm_cpu.gguf_linear_parts(x, blocks, table, n, bias, 10)
         each = [torch.ops.nanovllm_cpu.gguf_linear(x, r, t, None, 10) for r, t in zip(rows, types)]
@@ -245,8 +247,10 @@ def test_real_tensors_of_the_default_file(name):
     expected = few @ weight.T  # x in 16-bit blocks: to ~2^-15 of each block's largest value
     torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(few, blocks, BLOCK_TYPES[qtype], None, 16),
                                expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
-    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(many, blocks, BLOCK_TYPES[qtype], None, 16),
-                               many @ weight.T, rtol=1e-4, atol=1e-4)
+    lanes, kind = kernel_blocks(blocks, qtype, k)
+    expected = many @ weight.T
+    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(many, lanes, kind, None, 16),
+                               expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
 
 
 def test_lm_head_logits_are_the_kernels_fp32_sums():

@@ -76,6 +76,8 @@ def test_known_answer_from_the_quantized_blocks():
     llm = LLM(max_model_len=256, kv_cache_memory_gb=0.05)
     head = llm.llm_engine.executor.model.lm_head
     assert type(head.linear_method).__name__ == "CPUGGUFLinearMethod" and head.weight.dtype == torch.uint8
-    out = llm.chat([[{"role": "user", "content": PROMPTS[0]}]], SamplingParams(temperature=0, max_tokens=16),
+    # PROMPTS[0] alone is a near-tie in bf16 on the blocks (llama.cpp, on this file: "L'Étoile...").
+    out = llm.chat([[{"role": "user", "content": PROMPTS[0] + " Answer in one sentence."}]],
+                   SamplingParams(temperature=0, max_tokens=16),
                    use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text

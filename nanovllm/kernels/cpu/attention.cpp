@@ -145,6 +145,13 @@ void attend_rows_generic(const Row<T>* rows, int n, const T* k_cache, const T* v
 
 using simd::Vec;
 
+// Rows per call, so that each key and value tile loaded (and on AVX2 widened) serves several;
+// a decode's GQA group (its query heads share every key and value) fits in one call. Past the
+// registers (NR * (chunks + 1) accumulators; on AVX2 already at one row of head_dim 64) the
+// accumulators spill, and the reuse still wins (benchmarks/RESULTS.md).
+template <int chunks>
+constexpr int kRowsAtOnce = chunks <= 4 ? 4 : 2;
+
 // bf16, D = 16 * chunks, block size a multiple of 16: NR rows at once over 16-key tiles with an
 // online softmax, so every key and value load feeds NR dot products. Scores accumulate in fp32;
 // probabilities are rounded to bf16 for the value sum, as flash attention does.
@@ -152,8 +159,9 @@ template <int chunks, int NR>
 void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const BFloat16* v_cache, const Paged& pg,
                       float scale) {
   constexpr int D = 16 * chunks;
-  // P partial sums per row where the registers allow (P divides D / 2 = 8 * chunks).
-  constexpr int P = NR * (chunks + 4) * simd::kRegistersPerVec <= simd::kRegisters - 4 ? 4 : 2;
+  // P partial sums per row where the registers allow (P divides D / 2 = 8 * chunks), as many for
+  // every NR: a row's scores then sum in one order whichever rows share its call (batch invariance).
+  constexpr int P = kRowsAtOnce<chunks> * (chunks + 4) * simd::kRegistersPerVec <= simd::kRegisters - 4 ? 4 : 2;
   const int64_t bs = pg.bs;
   Vec acc[NR][chunks];
   float running_max[NR], running_sum[NR];
@@ -232,13 +240,6 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
     for (int c = 0; c < chunks; c++) simd::store_bf16(rows[r].out + 16 * c, simd::mul(acc[r][c], inv));
   }
 }
-
-// Rows per call, so that each key and value tile loaded (and on AVX2 widened) serves several;
-// a decode's GQA group (its query heads share every key and value) fits in one call. Past the
-// registers (NR * (chunks + 1) accumulators; on AVX2 already at one row of head_dim 64) the
-// accumulators spill, and the reuse still wins (benchmarks/RESULTS.md).
-template <int chunks>
-constexpr int kRowsAtOnce = chunks <= 4 ? 4 : 2;
 
 template <int chunks, int... NRs>
 void attend_rows_bf16_groups(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,

@@ -22,12 +22,12 @@ void onednn_release(const at::Tensor& handle);
 
 // quantized.cpp
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows);
+                       const std::optional<at::Tensor>& bias, int64_t max_streaming_rows);
 // A packed layer's projections in blocks of differing types: their rows one after another in
 // `blocks` (1-D), parts int64 [P, 2] as (rows, type) in output order, out_features their rows
 // (gguf_parts_rows: the table checked and its rows summed).
 at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
-                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_integer_rows);
+                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows);
 int64_t gguf_parts_rows(const at::Tensor& parts);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features);
 // Q8_0, Q4_0 or Q4_1 rows in their Lanes layout (type 1000 + theirs), the same bytes a row.

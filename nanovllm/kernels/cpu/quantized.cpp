@@ -3,15 +3,16 @@
 // gguf_linear_parts: the same over a packed layer whose projections differ in format, each part's
 // rows in its own, in one call (x quantized once, one parallel region over every part's rows).
 //
-// A few rows of x (decode) take the integer path, much as llama.cpp does: each row of x is
-// quantized once to blocks of 32 with an fp32 scale (and its sum, for the formats with an offset),
-// and each 32 values of a weight row, widened to 16-bit integers, meet it in integer dot products
-// scaled in fp32 by both blocks' scales. The weight then streams from memory once at its own size
-// (0.56-1.06 bytes a value), the point of a quantized file on a CPU. Unlike llama.cpp's 8 bits, x
-// keeps 16 bits a value: with 8 the default model misses the quality floor of top-1 agreement
-// with its dense self (benchmarks/RESULTS.md). Many rows (prefill) run an fp32 GEMM over weight
-// rows dequantized a few dozen at a time into cache: there the GEMM's cost dwarfs the
-// dequantization, and the product is exact over the weight's values.
+// Every step multiplies as llama.cpp does, in integers: each row of x is quantized once to blocks
+// of 32 with an fp32 scale (and its sum, for the formats with an offset), and each 32 values of a
+// weight row, widened to 16-bit integers, meet it in integer dot products scaled in fp32 by both
+// blocks' scales. Unlike llama.cpp's 8 bits, x keeps 16 bits a value: with 8 the default model
+// misses the quality floor of top-1 agreement with its dense self (benchmarks/RESULTS.md).
+// A few rows of x (decode) stream each weight row from its blocks once (streaming_linear): the
+// weight leaves memory once at its own size (0.56-1.06 bytes a value), the point of a quantized
+// file on a CPU. Many rows (prefill, a batch) decode blocks of weight rows into cache and tile
+// them against x (tiled_linear), with the same arithmetic for each output element in the same
+// order (RowSums), so that a row's result is the same bits whatever else shares its step.
 
 #include "ops.h"
 #include "simd.h"
@@ -505,39 +506,74 @@ void dot_rows(const uint8_t* w, int64_t w_stride, int64_t K, const QuantizedRows
     }
 }
 
+// One row of x's running sums against one weight row of a lanes format, in the order every kernel
+// adds to them: group by group, the group's integer sums (a lane a chunk; two halves where a scale
+// covers 16 values) times the weight's and x's chunk scales, the offsets' share apart; then the
+// row's tail chunks one by one. The row kernel (lanes_dot_rows) and the tiled one (lanes_tile)
+// both add through it: integer sums are exact whatever their order, so an output element comes
+// out the same bits whichever kernel, step size or batch computed it.
+struct RowSums {
+  Vec8 acc, offsets;
+  float tail_offsets;
+
+  RowSums() : acc(simd::zero8()), offsets(simd::zero8()), tail_offsets(0.0f) {}
+
+  // sums[h] (h < kHalves) and d[h] its scales, `offset` the group's offsets; x's eight chunks'
+  // scales and sums (times their offsets' share) at x_scales and x_sums.
+  template <bool kOffset, int kHalves>
+  void add_group(const simd::Sums* sums, const Vec8* d, Vec8 offset, const float* x_scales, const float* x_sums) {
+    const Vec8 xs = simd::load8(x_scales);
+    for (int h = 0; h < kHalves; h++) acc = simd::fmadd8(simd::to_float(sums[h]), simd::mul8(d[h], xs), acc);
+    if constexpr (kOffset) offsets = simd::fmadd8(offset, simd::load8(x_sums), offsets);
+  }
+  // Chunk c of a row past its last group (a Lanes<Base> row's K % 256 values), decoded: q, its
+  // scale and offset, against x row m's chunk c.
+  void add_chunk(Words q, Vec8 scale, float offset, const QuantizedRows& x, int64_t m, int64_t c) {
+    const int64_t xc = m * x.chunks + c;
+    const simd::Sums dot = simd::dot(q, simd::load_words(x.values(m, c)));
+    acc = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc);
+    tail_offsets += offset * x.sum[xc];
+  }
+  template <class F>
+  void add_tail(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m) {
+    if constexpr (F::kTail)
+      for (int64_t c = K / 256 * 8; c < K / 32; c++)
+        F::Base::chunks(row + c * F::kBytes, c, [&](int64_t, Words q, Vec8 scale, float offset) {
+          add_chunk(q, scale, offset, x, m, c);
+        });
+  }
+  float total() const { return simd::reduce_add8(simd::add8(acc, offsets)) + tail_offsets; }
+};
+
 // Bytes ahead of a group that lanes_dot_rows prefetches: the hardware prefetcher alone leaves one
 // thread's stream from memory short of the bandwidth (benchmarks/RESULTS.md).
 constexpr int kPrefetchAhead = 2048;
 
-// out[r * P + m] = weight row r . x row m0 + m, for `rows` consecutive rows of a Lanes format and
+// out[r * P + m] = weight row r . x row m0 + m, for `rows` consecutive rows of a lanes format and
 // P rows of x quantized in lanes: a group of eight chunks is four quads' multiply-adds into one
-// Sums a row of x, whose lanes are the chunks, then one multiply-add with the chunks' scales (and
-// one with their offsets); the row's tail chunks go one by one, as dot_rows takes them. Rows are
-// read one after another: one stream for the hardware prefetcher.
-
+// Sums a row of x, whose lanes are the chunks, then RowSums::add_group. Rows are read one after
+// another, straight from the blocks: one stream for the hardware prefetcher (a decode step).
 template <class F, int P>
 void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K, const QuantizedRows& x,
                     int64_t m0, float* out) {
+  // With a scale per 16 values, quads 2 and 3 (the chunks' values 16-31) sum apart: half 1.
+  constexpr int kHalves = F::kScalePer16 ? 2 : 1;
   const int64_t groups = K / 256, C = K / 32;
   for (int64_t r = 0; r < rows; r++) {
     const uint8_t* row = w + r * w_stride;
-    Vec8 acc[P], offsets[P];
-    float tail_offsets[P] = {};
-    for (int m = 0; m < P; m++) acc[m] = offsets[m] = simd::zero8();
+    RowSums sums[P];
     for (int64_t g = 0; g < groups; g++) {
       const uint8_t* group = row + g * F::kGroupBytes;
       for (int line = 0; line < F::kGroupBytes; line += 64) simd::prefetch(group + kPrefetchAhead + line);
-      // With a scale per 16 values, quads 2 and 3 (the chunks' values 16-31) sum apart: half 1.
-      constexpr int kHalves = F::kScalePer16 ? 2 : 1;
-      simd::Sums sums[kHalves][P];
-      for (int h = 0; h < kHalves; h++)
-        for (int m = 0; m < P; m++) sums[h][m] = simd::zero_sums();
+      simd::Sums s[P][kHalves];
+      for (int m = 0; m < P; m++)
+        for (int h = 0; h < kHalves; h++) s[m][h] = simd::zero_sums();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; j++) {
         const simd::Quad quad = F::quad(group + F::kHeaderBytes, j);
         const int h = kHalves == 2 ? j / 2 : 0;
 #pragma GCC unroll 8
-        for (int m = 0; m < P; m++) sums[h][m] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, sums[h][m]);
+        for (int m = 0; m < P; m++) s[m][h] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, s[m][h]);
       }
       Vec8 d[kHalves];
       d[0] = F::scales(group);
@@ -546,22 +582,13 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
 #pragma GCC unroll 8
       for (int m = 0; m < P; m++) {
         const int64_t xc = (m0 + m) * C + 8 * g;
-        const Vec8 xs = simd::load8(&x.scale[xc]);
-        for (int h = 0; h < kHalves; h++) acc[m] = simd::fmadd8(simd::to_float(sums[h][m]), simd::mul8(d[h], xs), acc[m]);
-        if constexpr (F::kOffset) offsets[m] = simd::fmadd8(offset, simd::load8(&x.sum[xc]), offsets[m]);
+        sums[m].template add_group<F::kOffset, kHalves>(s[m], d, offset, &x.scale[xc], &x.sum[xc]);
       }
     }
-    if constexpr (F::kTail)
-      for (int64_t c = 8 * groups; c < C; c++)
-        F::Base::chunks(row + c * F::kBytes, c, [&](int64_t, Words q, Vec8 scale, float offset) {
-          for (int m = 0; m < P; m++) {
-            const int64_t xc = (m0 + m) * C + c;
-            const simd::Sums dot = simd::dot(q, simd::load_words(x.values(m0 + m, c)));
-            acc[m] = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc[m]);
-            tail_offsets[m] += offset * x.sum[xc];
-          }
-        });
-    for (int m = 0; m < P; m++) out[r * P + m] = simd::reduce_add8(simd::add8(acc[m], offsets[m])) + tail_offsets[m];
+    for (int m = 0; m < P; m++) {
+      sums[m].template add_tail<F>(row, K, x, m0 + m);
+      out[r * P + m] = sums[m].total();
+    }
   }
 }
 
@@ -615,7 +642,7 @@ struct Part {
 
 // Output columns [begin, end) of `part` (within it) for the M rows of x in xq.
 template <class F, typename T>
-void integer_rows(const QuantizedRows& xq, const Part& part, int64_t begin, int64_t end, const float* bias, T* y,
+void streaming_rows(const QuantizedRows& xq, const Part& part, int64_t begin, int64_t end, const float* bias, T* y,
                   int64_t M, int64_t N, int64_t K) {
   const int64_t passes = (M + kMaxPass - 1) / kMaxPass;
   const auto store = [&](int64_t m, int64_t n, float value) {
@@ -656,12 +683,11 @@ void integer_rows(const QuantizedRows& xq, const Part& part, int64_t begin, int6
   }
 }
 
-// x quantized once for every part (`lanes`: in the lanes formats' order, which all parts then
-// share), and one parallel region over all the parts' rows.
+// y = x W^T (+ bias) with each weight row streamed from its blocks once a call (a decode step's
+// few rows of x): one parallel region over all the parts' rows.
 template <typename T>
-void integer_linear(const T* x, const std::vector<Part>& parts, bool lanes, const float* bias, T* y, int64_t M,
-                    int64_t N, int64_t K) {
-  const QuantizedRows xq(x, K, M, K, lanes);
+void streaming_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const float* bias, T* y, int64_t M,
+                      int64_t N, int64_t K) {
   int64_t widest = 1;  // row stride: a row's bytes, as the ops pass them
   for (const Part& part : parts) widest = std::max(widest, part.w_stride);
   // ~16 KB of weights a task at the least: a parallel region costs a few us.
@@ -670,7 +696,7 @@ void integer_linear(const T* x, const std::vector<Part>& parts, bool lanes, cons
     for (const Part& part : parts) {
       const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
       if (lo < hi)
-        with_format(part.type, [&](auto format) { integer_rows<decltype(format)>(xq, part, lo, hi, bias, y, M, N, K); });
+        with_format(part.type, [&](auto format) { streaming_rows<decltype(format)>(xq, part, lo, hi, bias, y, M, N, K); });
     }
   });
 }
@@ -693,78 +719,167 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
   });
 }
 
-// ---- Many rows: a GEMM over weight rows dequantized a few at a time -------------------------
-// x is packed once as groups of 16 rows, [K][16] fp32 (a Vec a column), and each task
-// dequantizes kBlockRows weight rows into a buffer of its own that stays in L2, then runs every
-// group of x past them in tiles of kTileRows weight rows x 16 rows of x: per k, one Vec of x and
-// a broadcast weight value per tile row, kTileRows FMAs into accumulators held in registers for
-// the whole of K. The weight is thus dequantized once a call into cache, never written out to
-// memory in fp32 and read back, and x streams from L2.
+// ---- Many rows: the same sums, tiled -----------------------------------------------------
+// A step of many rows of x (a prefill, a batch) computes every output element with exactly the
+// row kernel's arithmetic (RowSums), in an order that reuses what it loads: each task decodes a
+// block of kBlockRows weight rows once into 16-bit words (a group's sixteen vectors in turn) and
+// fp32 scales and offsets, which stay in L2, then runs tiles of kTileRows of those rows by kTileX
+// rows of x over them: each weight vector loaded serves kTileX rows of x, each of x's kTileRows
+// weight rows, and the tile's integer sums stay in registers through a group.
 
-// Accumulators, one x Vec and a broadcast within the registers (AVX2: 6 x 2 + 2 + 1 of 16).
-constexpr int kTileRows = simd::kRegisters == 32 ? 12 : 6;
+// The tile's sums, its weight vectors, an x vector and a product fit the registers (AVX2: 3 x 3 + 3 + 2
+// of 16).
+constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;
+constexpr int kTileX = simd::kRegisters == 32 ? 6 : 2;
 constexpr int kBlockRows = 8 * kTileRows;
 
-// acc[r] = sum over k of w[r * K + k] * xp[16 k .. 16 k + 15].
-inline void tile_dot(const float* w, int64_t K, const float* xp, simd::Vec* acc) {
-  for (int r = 0; r < kTileRows; r++) acc[r] = simd::zero();
-  for (int64_t k = 0; k < K; k++) {
-    const simd::Vec xv = simd::load(xp + 16 * k);
-#pragma GCC unroll 12
-    for (int r = 0; r < kTileRows; r++) acc[r] = simd::fmadd(simd::set1(w[r * K + k]), xv, acc[r]);
+// A block of a lanes format's rows decoded: group g of row r as 256 words at values[(r * groups +
+// g) * 256] and kHalves scale vectors then one of offsets at scales[(r * groups + g) * kStride];
+// the row's tail chunks (Lanes<Base>'s last K % 256 values) as Base's chunks give them. In a
+// task's buffers (DecodeBuffers, sized for any format). Rows past the block's end keep what an
+// earlier block left (or zeros): tiles compute them and store nothing.
+template <class F>
+struct DecodedRows {
+  static constexpr int kHalves = F::kScalePer16 ? 2 : 1, kStride = 8 * (kHalves + 1);
+  int64_t groups, tail;  // groups and tail chunks a row
+  int16_t* values;
+  float* scales;
+  Words* tail_values;
+  Vec8* tail_scales;
+  float* tail_offsets;
+
+  void decode(const uint8_t* w, int64_t w_stride, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++) {
+      const uint8_t* row = w + r * w_stride;
+      for (int64_t g = 0; g < groups; g++) {
+        const uint8_t* group = row + g * F::kGroupBytes;
+        for (int j = 0; j < 4; j++) simd::store_quad(values + (r * groups + g) * 256 + 64 * j, F::quad(group + F::kHeaderBytes, j));
+        float* s = scales + (r * groups + g) * kStride;
+        const Vec8 d = F::scales(group);
+        simd::store8(s, d);
+        if constexpr (F::kScalePer16) simd::store8(s + 8, F::high_scales(group));
+        simd::store8(s + 8 * kHalves, F::offsets(group, d));
+      }
+      if constexpr (F::kTail)
+        for (int64_t t = 0; t < tail; t++)
+          F::Base::chunks(row + (8 * groups + t) * F::kBytes, t, [&](int64_t, Words q, Vec8 scale, float offset) {
+            tail_values[r * tail + t] = q;
+            tail_scales[r * tail + t] = scale;
+            tail_offsets[r * tail + t] = offset;
+          });
+    }
+  }
+  const int16_t* vectors(int64_t r, int64_t g) const { return values + (r * groups + g) * 256; }
+  const float* scales_of(int64_t r, int64_t g) const { return scales + (r * groups + g) * kStride; }
+};
+
+// Room for a block of any format's decoded rows of K values.
+struct DecodeBuffers {
+  int64_t groups, tail;
+  std::vector<int16_t> values;
+  std::vector<float> scales, tail_offsets;
+  std::vector<Words> tail_values;
+  std::vector<Vec8> tail_scales;
+
+  explicit DecodeBuffers(int64_t K)
+      : groups(K / 256), tail(K / 32 - K / 256 * 8), values(kBlockRows * groups * 256),
+        scales(kBlockRows * groups * 24), tail_offsets(kBlockRows * tail), tail_values(kBlockRows * tail),
+        tail_scales(kBlockRows * tail) {}
+  template <class F>
+  DecodedRows<F> rows() {
+    return {groups, tail, values.data(), scales.data(), tail_values.data(), tail_scales.data(), tail_offsets.data()};
+  }
+};
+
+// sums[r][m] += decoded rows r0 + r . x row m0 + m over every group, for r < kTileRows, m < P.
+template <class F, int P>
+void lanes_tile(const DecodedRows<F>& w, int64_t r0, const QuantizedRows& x, int64_t m0,
+                RowSums (&sums)[kTileRows][P]) {
+  constexpr int kHalves = DecodedRows<F>::kHalves, kVectors = 16 / kHalves;
+  const int64_t C = x.chunks;
+  for (int64_t g = 0; g < w.groups; g++) {
+    simd::Sums s[kTileRows][P][kHalves];
+#pragma GCC unroll 2
+    for (int h = 0; h < kHalves; h++) {
+      for (int r = 0; r < kTileRows; r++)
+        for (int m = 0; m < P; m++) s[r][m][h] = simd::zero_sums();
+#pragma GCC unroll 2
+      for (int v = h * kVectors; v < (h + 1) * kVectors; v++) {
+        simd::Vector16 wv[kTileRows];
+#pragma GCC unroll 4
+        for (int r = 0; r < kTileRows; r++) wv[r] = simd::load_vector(w.vectors(r0 + r, g) + 16 * v);
+#pragma GCC unroll 8
+        for (int m = 0; m < P; m++) {
+          const simd::Vector16 xv = simd::load_vector(x.values(m0 + m, 8 * g) + 16 * v);
+#pragma GCC unroll 4
+          for (int r = 0; r < kTileRows; r++) s[r][m][h] = simd::dot_vector(wv[r], xv, s[r][m][h]);
+        }
+      }
+    }
+    for (int r = 0; r < kTileRows; r++) {
+      const float* sc = w.scales_of(r0 + r, g);
+      Vec8 d[kHalves];
+      for (int h = 0; h < kHalves; h++) d[h] = simd::load8(sc + 8 * h);
+      const Vec8 offset = simd::load8(sc + 8 * kHalves);
+      for (int m = 0; m < P; m++) {
+        const int64_t xc = (m0 + m) * C + 8 * g;
+        sums[r][m].template add_group<F::kOffset, kHalves>(s[r][m], d, offset, &x.scale[xc], &x.sum[xc]);
+      }
+    }
   }
 }
 
-template <typename T>
-std::vector<float> pack_groups_of_16(const T* x, int64_t x_stride, int64_t M, int64_t K) {
-  const int64_t groups = (M + 15) / 16;
-  std::vector<float> packed(groups * K * 16);
-  parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g++) {
-      float* dst = packed.data() + g * K * 16;
-      for (int64_t j = 0; j < 16; j++) {
-        const int64_t m = g * 16 + j;
-        if (m < M)
-          for (int64_t k = 0; k < K; k++) dst[16 * k + j] = float(x[m * x_stride + k]);
-        else
-          for (int64_t k = 0; k < K; k++) dst[16 * k + j] = 0.0f;
+// Rows [r0, r0 + rows) of `part`, decoded in w, against x's rows m0 to m0 + P, into y.
+template <class F, int P, typename T>
+void lanes_tiles(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t rows, const QuantizedRows& x,
+                 int64_t m0, const float* bias, T* y, int64_t N, int64_t K) {
+  for (int64_t t = 0; t < rows; t += kTileRows) {
+    RowSums sums[kTileRows][P];
+    lanes_tile<F, P>(w, t, x, m0, sums);
+    for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - t); r++) {
+      const int64_t n = part.first + r0 + t + r;
+      const int64_t row = (t + r) * w.tail;
+      for (int m = 0; m < P; m++) {
+        for (int64_t c = 0; c < w.tail; c++)
+          sums[r][m].add_chunk(w.tail_values[row + c], w.tail_scales[row + c], w.tail_offsets[row + c], x, m0 + m,
+                               8 * w.groups + c);
+        y[(m0 + m) * N + n] = T(sums[r][m].total() + (bias != nullptr ? bias[n] : 0.0f));
       }
     }
-  });
-  return packed;
+  }
 }
 
+template <class F, typename T, int... Ps>
+constexpr auto make_tiles_table(std::integer_sequence<int, Ps...>) {
+  using Fn = void (*)(const DecodedRows<F>&, const Part&, int64_t, int64_t, const QuantizedRows&, int64_t,
+                      const float*, T*, int64_t, int64_t);
+  return std::array<Fn, sizeof...(Ps)>{&lanes_tiles<F, Ps + 1, T>...};
+}
+
+// y = x W^T (+ bias) over parts in lanes formats, tiled: one task a block of a part's rows.
 template <typename T>
-void dequantizing_gemm(const T* x, const std::vector<Part>& parts, const float* bias, T* y, int64_t M, int64_t N,
-                       int64_t K) {
-  const std::vector<float> xp = pack_groups_of_16(x, K, M, K);
-  const int64_t groups = (M + 15) / 16;
+void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const float* bias, T* y, int64_t M,
+                  int64_t N, int64_t K) {
   std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
   for (const Part& part : parts)
     for (int64_t r = 0; r < part.rows; r += kBlockRows) blocks.emplace_back(&part, r);
   parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rows(kBlockRows * K);
-    alignas(64) float tile[kTileRows][16];
+    DecodeBuffers buffers(K);
     for (int64_t b = begin; b < end; b++) {
       const auto [part, r0] = blocks[b];
-      const int64_t n0 = part->first + r0, n_end = n0 + std::min<int64_t>(kBlockRows, part->rows - r0);
-      with_format(part->type, [&](auto format) {  // serial: within a task
-        dequantize_rows<decltype(format)>(part->w + r0 * part->w_stride, part->w_stride, n_end - n0, K, rows.data());
-      });
-      std::fill(rows.begin() + (n_end - n0) * K, rows.end(), 0.0f);  // rows past the block: computed, never stored
-      for (int64_t g = 0; g < groups; g++) {
-        const int64_t m_rows = std::min<int64_t>(16, M - g * 16);
-        for (int64_t n = n0; n < n_end; n += kTileRows) {
-          simd::Vec acc[kTileRows];
-          tile_dot(rows.data() + (n - n0) * K, K, xp.data() + g * K * 16, acc);
-          for (int r = 0; r < kTileRows; r++) simd::store(tile[r], acc[r]);
-          const int64_t tile_rows = std::min<int64_t>(kTileRows, n_end - n);
-          for (int64_t j = 0; j < m_rows; j++) {
-            T* out = y + (g * 16 + j) * N + n;
-            for (int64_t r = 0; r < tile_rows; r++) out[r] = T(tile[r][j] + (bias != nullptr ? bias[n + r] : 0.0f));
-          }
+      const int64_t rows = std::min<int64_t>(kBlockRows, part->rows - r0);
+      with_format(part->type, [&](auto format) {
+        using F = decltype(format);
+        if constexpr (F::kWholeRow) {
+          static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
+          DecodedRows<F> w = buffers.rows<F>();
+          w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
+          for (int64_t m0 = 0; m0 < M; m0 += kTileX)
+            table[std::min<int64_t>(kTileX, M - m0) - 1](w, *part, r0, rows, xq, m0, bias, y, N, K);
+        } else {
+          TORCH_CHECK(false, "tiled_linear: GGUF type ", part->type, " is not a lanes layout");
         }
-      }
+      });
     }
   });
 }
@@ -781,7 +896,7 @@ void check_blocks(const at::Tensor& blocks, int64_t K) {
 // y = x W^T (+ bias) over a weight in `parts` covering N output columns; `lanes` as all parts'
 // formats' kWholeRow.
 at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vector<Part>& parts, bool lanes,
-                             int64_t N, const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
+                             int64_t N, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bf16 or fp32");
   const int64_t K = x.size(-1);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
@@ -796,10 +911,11 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
   const auto run = [&](auto* x_rows, auto* y_rows) {
-    if (M <= max_integer_rows)
-      integer_linear(x_rows, parts, lanes, b, y_rows, M, N, K);
+    const QuantizedRows xq(x_rows, K, M, K, lanes);
+    if (lanes && M > max_streaming_rows)
+      tiled_linear(xq, parts, b, y_rows, M, N, K);
     else
-      dequantizing_gemm(x_rows, parts, b, y_rows, M, N, K);
+      streaming_linear(xq, parts, b, y_rows, M, N, K);
   };
   if (x.scalar_type() == at::kFloat)
     run(rows.data_ptr<float>(), y.data_ptr<float>());
@@ -811,7 +927,7 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
+                       const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
   const int64_t N = blocks.size(0);
   bool lanes = false;
   with_format(type, [&](auto format) {
@@ -820,7 +936,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
     lanes = F::kWholeRow;
   });
   return linear_over_parts("gguf_linear", x, {Part{type, blocks.data_ptr<uint8_t>(), blocks.stride(0), 0, N}}, lanes,
-                           N, bias, max_integer_rows);
+                           N, bias, max_streaming_rows);
 }
 
 int64_t gguf_parts_rows(const at::Tensor& parts) {
@@ -836,7 +952,7 @@ int64_t gguf_parts_rows(const at::Tensor& parts) {
 }
 
 at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
-                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_integer_rows) {
+                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
   TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "gguf_linear_parts: the parts' rows as one contiguous uint8 tensor");
   const int64_t N = gguf_parts_rows(parts);
@@ -861,7 +977,7 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, cons
               blocks.numel());
   TORCH_CHECK(lanes_parts == 0 || lanes_parts == int64_t(list.size()),
               "gguf_linear_parts: the parts must be all in lanes layouts or none");
-  return linear_over_parts("gguf_linear_parts", x, list, lanes_parts > 0, N, bias, max_integer_rows);
+  return linear_over_parts("gguf_linear_parts", x, list, lanes_parts > 0, N, bias, max_streaming_rows);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features) {

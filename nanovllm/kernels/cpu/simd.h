@@ -517,6 +517,20 @@ inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   return {_mm256_add_epi32(s.v, _mm256_add_epi32(a, b))};
 }
 #endif
+// One of a lanes group's sixteen vectors (16 words), as the tiled kernel holds a weight's decoded rows.
+struct Vector16 {
+  __m256i v;
+};
+inline Vector16 load_vector(const int16_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+inline void store_quad(int16_t* p, Quad q) {
+  for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i*)p + k, q.v[k]);
+}
+// s plus w's products with x's vector (lane l: the pair of words 2l, 2l + 1).
+#if defined(NANOVLLM_SIMD_AVX512)
+inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {_mm256_dpwssd_epi32(s.v, w.v, x.v)}; }
+#else
+inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {_mm256_add_epi32(s.v, _mm256_madd_epi16(w.v, x.v))}; }
+#endif
 // Eight rows of eight 32-bit lanes transposed.
 inline void transpose8(const __m256i* in, __m256i* out) {
   __m256 t[8], u[8];
@@ -697,6 +711,19 @@ inline Quad five_bit_quad(const uint8_t* nibbles, const uint8_t* fifth_bits, int
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   for (int k = 0; k < 4; k++)
     for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(q.v[k][i]) * x[16 * k + i];
+  return s;
+}
+struct Vector16 {
+  int16_t v[16];
+};
+inline Vector16 load_vector(const int16_t* p) {
+  Vector16 w;
+  std::memcpy(w.v, p, 32);
+  return w;
+}
+inline void store_quad(int16_t* p, Quad q) { std::memcpy(p, q.v, 128); }
+inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) {
+  for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(w.v[i]) * x.v[i];
   return s;
 }
 inline void quads_to_chunks(const Quad q[4], Words out[8]) {

@@ -21,8 +21,10 @@ from torch import nn
 from nanovllm.layers.quantization.base import LinearMethod
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
-# Rows up to which the integer kernel runs; above, the dequantizing GEMM (benchmarks/RESULTS.md).
-MAX_INTEGER_ROWS = 10
+# Rows of x up to which each weight row streams from its blocks once a call; above, blocks of rows
+# are decoded into cache and tiled (benchmarks/RESULTS.md). Both give every output element the
+# same bits, so this is a matter of speed only.
+MAX_STREAMING_ROWS = 10
 # Every kept format is repacked into its lanes layout at load, whose type id is 1000 + the GGML
 # type's (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes and Q6_KLanes).
 LANES_TYPE_BASE = 1000
@@ -79,18 +81,18 @@ class CPUGGUFLinearMethod(_BlocksMethod):
             layer.weight.data, self.kernel_type = kernel_blocks(layer.weight.data, self.qtype, self.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.kernel_type, bias, MAX_INTEGER_ROWS)
+        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.kernel_type, bias, MAX_STREAMING_ROWS)
 
     def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
         """The linear as one fused layer's kernel takes it (kernels/cpu/decoder_layer.cpp): its
         kind (the blocks' type id), weight tensors (blocks; no packed or oneDNN copy) and the rows
-        up to which the integer path runs."""
-        return self.kernel_type, [layer.weight, None, None], MAX_INTEGER_ROWS
+        up to which the streaming kernel runs."""
+        return self.kernel_type, [layer.weight, None, None], MAX_STREAMING_ROWS
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         # x in fp32 makes the kernel return its fp32 sums (the quantized x is the same).
         return torch.ops.nanovllm_cpu.gguf_linear(hidden.float(), layer.weight, self.kernel_type, None,
-                                                  MAX_INTEGER_ROWS)
+                                                  MAX_STREAMING_ROWS)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
@@ -143,8 +145,8 @@ class CPUGGUFPartsLinearMethod(_BlocksMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_linear_parts(x, layer.weight, self.parts, self.out_features, bias,
-                                                        MAX_INTEGER_ROWS)
+                                                        MAX_STREAMING_ROWS)
 
     def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
         """As CPUGGUFLinearMethod's, the parts table in the packed copy's place."""
-        return PARTS_KIND, [layer.weight, self.parts, None], MAX_INTEGER_ROWS
+        return PARTS_KIND, [layer.weight, self.parts, None], MAX_STREAMING_ROWS
