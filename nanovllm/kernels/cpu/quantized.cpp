@@ -532,7 +532,7 @@ struct RowSums {
     const int64_t xc = m * x.chunks + c;
     const simd::Sums dot = simd::dot(q, simd::load_words(x.values(m, c)));
     acc = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc);
-    tail_offsets += offset * x.sum[xc];
+    tail_offsets = std::fma(offset, x.sum[xc], tail_offsets);  // fused in every kernel alike
   }
   template <class F>
   void add_tail(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m) {
@@ -732,6 +732,7 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;
 constexpr int kTileX = simd::kRegisters == 32 ? 6 : 2;
 constexpr int kBlockRows = 8 * kTileRows;
+constexpr int64_t kPanelRows = 16 * kTileX;
 
 // A block of a lanes format's rows decoded: group g of row r as 256 words at values[(r * groups +
 // g) * 256] and kHalves scale vectors then one of offsets at scales[(r * groups + g) * kStride];
@@ -791,12 +792,14 @@ struct DecodeBuffers {
   }
 };
 
-// sums[r][m] += decoded rows r0 + r . x row m0 + m over every group, for r < kTileRows, m < P.
+// out[r][m] = decoded row t + r . x row m0 + m, for r < kTileRows and m < P: the row kernel's
+// sums (RowSums) over every group and then the tail's chunks, and their totals eight at a time.
 template <class F, int P>
-void lanes_tile(const DecodedRows<F>& w, int64_t r0, const QuantizedRows& x, int64_t m0,
-                RowSums (&sums)[kTileRows][P]) {
+void lanes_tile(const DecodedRows<F>& w, int64_t t, const QuantizedRows& x, int64_t m0,
+                float (&out)[kTileRows][P]) {
   constexpr int kHalves = DecodedRows<F>::kHalves, kVectors = 16 / kHalves;
   const int64_t C = x.chunks;
+  RowSums sums[kTileRows][P];
   for (int64_t g = 0; g < w.groups; g++) {
     simd::Sums s[kTileRows][P][kHalves];
 #pragma GCC unroll 2
@@ -807,7 +810,7 @@ void lanes_tile(const DecodedRows<F>& w, int64_t r0, const QuantizedRows& x, int
       for (int v = h * kVectors; v < (h + 1) * kVectors; v++) {
         simd::Vector16 wv[kTileRows];
 #pragma GCC unroll 4
-        for (int r = 0; r < kTileRows; r++) wv[r] = simd::load_vector(w.vectors(r0 + r, g) + 16 * v);
+        for (int r = 0; r < kTileRows; r++) wv[r] = simd::load_vector(w.vectors(t + r, g) + 16 * v);
 #pragma GCC unroll 8
         for (int m = 0; m < P; m++) {
           const simd::Vector16 xv = simd::load_vector(x.values(m0 + m, 8 * g) + 16 * v);
@@ -817,7 +820,7 @@ void lanes_tile(const DecodedRows<F>& w, int64_t r0, const QuantizedRows& x, int
       }
     }
     for (int r = 0; r < kTileRows; r++) {
-      const float* sc = w.scales_of(r0 + r, g);
+      const float* sc = w.scales_of(t + r, g);
       Vec8 d[kHalves];
       for (int h = 0; h < kHalves; h++) d[h] = simd::load8(sc + 8 * h);
       const Vec8 offset = simd::load8(sc + 8 * kHalves);
@@ -827,33 +830,44 @@ void lanes_tile(const DecodedRows<F>& w, int64_t r0, const QuantizedRows& x, int
       }
     }
   }
+  for (int64_t c = 0; c < w.tail; c++)
+    for (int r = 0; r < kTileRows; r++) {
+      const int64_t at = (t + r) * w.tail + c;
+      for (int m = 0; m < P; m++)
+        sums[r][m].add_chunk(w.tail_values[at], w.tail_scales[at], w.tail_offsets[at], x, m0 + m, 8 * w.groups + c);
+    }
+  // RowSums::total() of each, bit for bit, eight at a time.
+  for (int i0 = 0; i0 < kTileRows * P; i0 += 8) {
+    Vec8 each[8];
+    float tail_offsets[8] = {}, totals[8];
+    for (int i = 0; i < 8; i++) {
+      const RowSums* one = i0 + i < kTileRows * P ? &sums[(i0 + i) / P][(i0 + i) % P] : nullptr;
+      each[i] = one != nullptr ? simd::add8(one->acc, one->offsets) : simd::zero8();
+      if (one != nullptr) tail_offsets[i] = one->tail_offsets;
+    }
+    simd::store8(totals, simd::add8(simd::reduce_add8x8(each), simd::load8(tail_offsets)));
+    for (int i = 0; i < std::min(8, kTileRows * P - i0); i++) out[(i0 + i) / P][(i0 + i) % P] = totals[i];
+  }
 }
 
-// Rows [r0, r0 + rows) of `part`, decoded in w, against x's rows m0 to m0 + P, into y.
+// The tile of decoded rows t to t + kTileRows (of the block's `rows`, from part's row r0) against
+// x's rows m0 to m0 + P, into y.
 template <class F, int P, typename T>
-void lanes_tiles(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t rows, const QuantizedRows& x,
-                 int64_t m0, const float* bias, T* y, int64_t N, int64_t K) {
-  for (int64_t t = 0; t < rows; t += kTileRows) {
-    RowSums sums[kTileRows][P];
-    lanes_tile<F, P>(w, t, x, m0, sums);
-    for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - t); r++) {
-      const int64_t n = part.first + r0 + t + r;
-      const int64_t row = (t + r) * w.tail;
-      for (int m = 0; m < P; m++) {
-        for (int64_t c = 0; c < w.tail; c++)
-          sums[r][m].add_chunk(w.tail_values[row + c], w.tail_scales[row + c], w.tail_offsets[row + c], x, m0 + m,
-                               8 * w.groups + c);
-        y[(m0 + m) * N + n] = T(sums[r][m].total() + (bias != nullptr ? bias[n] : 0.0f));
-      }
-    }
+void lanes_tile_into(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t t, int64_t rows,
+                     const QuantizedRows& x, int64_t m0, const float* bias, T* y, int64_t N) {
+  float out[kTileRows][P];
+  lanes_tile<F, P>(w, t, x, m0, out);
+  for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - t); r++) {
+    const int64_t n = part.first + r0 + t + r;
+    for (int m = 0; m < P; m++) y[(m0 + m) * N + n] = T(out[r][m] + (bias != nullptr ? bias[n] : 0.0f));
   }
 }
 
 template <class F, typename T, int... Ps>
 constexpr auto make_tiles_table(std::integer_sequence<int, Ps...>) {
-  using Fn = void (*)(const DecodedRows<F>&, const Part&, int64_t, int64_t, const QuantizedRows&, int64_t,
-                      const float*, T*, int64_t, int64_t);
-  return std::array<Fn, sizeof...(Ps)>{&lanes_tiles<F, Ps + 1, T>...};
+  using Fn = void (*)(const DecodedRows<F>&, const Part&, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
+                      const float*, T*, int64_t);
+  return std::array<Fn, sizeof...(Ps)>{&lanes_tile_into<F, Ps + 1, T>...};
 }
 
 // y = x W^T (+ bias) over parts in lanes formats, tiled: one task a block of a part's rows.
@@ -874,8 +888,13 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
           static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
           DecodedRows<F> w = buffers.rows<F>();
           w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
-          for (int64_t m0 = 0; m0 < M; m0 += kTileX)
-            table[std::min<int64_t>(kTileX, M - m0) - 1](w, *part, r0, rows, xq, m0, bias, y, N, K);
+          // A panel of x's rows at a time stays in L2 while each weight tile, in L1, meets all of them.
+          for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
+            const int64_t p1 = std::min(M, p0 + kPanelRows);
+            for (int64_t t = 0; t < rows; t += kTileRows)
+              for (int64_t m0 = p0; m0 < p1; m0 += kTileX)
+                table[std::min<int64_t>(kTileX, p1 - m0) - 1](w, *part, r0, t, rows, xq, m0, bias, y, N);
+          }
         } else {
           TORCH_CHECK(false, "tiled_linear: GGUF type ", part->type, " is not a lanes layout");
         }

@@ -594,6 +594,16 @@ inline float reduce_add8(Vec8 x) {
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
   return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
+// Lane j: reduce_add8(v[j]) bit for bit (the same tree: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))),
+// eight at once through a transpose.
+inline Vec8 reduce_add8x8(const Vec8 v[8]) {
+  __m256i in[8], t[8];
+  for (int j = 0; j < 8; j++) in[j] = _mm256_castps_si256(v[j].v);
+  transpose8(in, t);
+  const auto lane = [&](int i) { return _mm256_castsi256_ps(t[i]); };
+  return {_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane(0), lane(4)), _mm256_add_ps(lane(2), lane(6))),
+                        _mm256_add_ps(_mm256_add_ps(lane(1), lane(5)), _mm256_add_ps(lane(3), lane(7))))};
+}
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 // The fp16 values at p and p + 2, converted from one 4-byte load.
 inline std::pair<float, float> two_halves_at(const uint8_t* p) {
@@ -749,6 +759,7 @@ inline float reduce_add8(Vec8 x) {
   for (float v : x.v) s += v;
   return s;
 }
+inline Vec8 reduce_add8x8(const Vec8 v[8]) { return map8([&](int j) { return reduce_add8(v[j]); }); }
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 inline Vec8 halves_at(const uint8_t* p) {
   uint16_t h[8];
