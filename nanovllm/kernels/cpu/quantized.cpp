@@ -722,17 +722,27 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 // ---- Many rows: the same sums, tiled -----------------------------------------------------
 // A step of many rows of x (a prefill, a batch) computes every output element with exactly the
 // row kernel's arithmetic (RowSums), in an order that reuses what it loads: each task decodes a
-// block of kBlockRows weight rows once into 16-bit words (a group's sixteen vectors in turn) and
-// fp32 scales and offsets, which stay in L2, then runs tiles of kTileRows of those rows by kTileX
-// rows of x over them: each weight vector loaded serves kTileX rows of x, each of x's kTileRows
-// weight rows, and the tile's integer sums stay in registers through a group.
+// block of weight rows once into 16-bit words (a group's sixteen vectors in turn) and fp32 scales
+// and offsets, which stay in L2, then runs tiles of kTileRows of those rows by kTileX rows of x
+// over them, a panel of x's rows at a time: each weight vector loaded serves kTileX rows of x,
+// each of x's kTileRows weight rows, and the tile's integer sums stay in registers through a group.
 
-// The tile's sums, its weight vectors, an x vector and a product fit the registers (AVX2: 3 x 3 + 3 + 2
-// of 16).
+// The tile's sums, its weight vectors, an x vector and a product fit the registers (AVX2: 3 x 2 +
+// 3 + 2 of 16; with 3 x 3 GCC already spills sums to the stack in the inner loop).
 constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;
 constexpr int kTileX = simd::kRegisters == 32 ? 6 : 2;
-constexpr int kBlockRows = 8 * kTileRows;
 constexpr int64_t kPanelRows = 16 * kTileX;
+// A block's decoded rows fill at most about a quarter of a core's L2 (the more rows a block, the
+// fewer times a long step's x comes through L2), in at least four blocks a thread (balance).
+constexpr int64_t kBlockBytes = 256 * 1024;
+constexpr int64_t kBlocksPerThread = 4;
+
+int64_t block_rows(int64_t N, int64_t K) {
+  const int64_t by_cache = kBlockBytes / (2 * K) / kTileRows * kTileRows;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t by_balance = (N + kBlocksPerThread * threads - 1) / (kBlocksPerThread * threads);
+  return std::max<int64_t>(kTileRows, std::min(by_cache, (by_balance + kTileRows - 1) / kTileRows * kTileRows));
+}
 
 // A block of a lanes format's rows decoded: group g of row r as 256 words at values[(r * groups +
 // g) * 256] and kHalves scale vectors then one of offsets at scales[(r * groups + g) * kStride];
@@ -782,10 +792,9 @@ struct DecodeBuffers {
   std::vector<Words> tail_values;
   std::vector<Vec8> tail_scales;
 
-  explicit DecodeBuffers(int64_t K)
-      : groups(K / 256), tail(K / 32 - K / 256 * 8), values(kBlockRows * groups * 256),
-        scales(kBlockRows * groups * 24), tail_offsets(kBlockRows * tail), tail_values(kBlockRows * tail),
-        tail_scales(kBlockRows * tail) {}
+  DecodeBuffers(int64_t rows, int64_t K)
+      : groups(K / 256), tail(K / 32 - K / 256 * 8), values(rows * groups * 256), scales(rows * groups * 24),
+        tail_offsets(rows * tail), tail_values(rows * tail), tail_scales(rows * tail) {}
   template <class F>
   DecodedRows<F> rows() {
     return {groups, tail, values.data(), scales.data(), tail_values.data(), tail_scales.data(), tail_offsets.data()};
@@ -874,21 +883,22 @@ constexpr auto make_tiles_table(std::integer_sequence<int, Ps...>) {
 template <typename T>
 void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const float* bias, T* y, int64_t M,
                   int64_t N, int64_t K) {
+  const int64_t per_block = block_rows(N, K);
   std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
   for (const Part& part : parts)
-    for (int64_t r = 0; r < part.rows; r += kBlockRows) blocks.emplace_back(&part, r);
+    for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
   parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-    DecodeBuffers buffers(K);
+    DecodeBuffers buffers(per_block, K);
     for (int64_t b = begin; b < end; b++) {
       const auto [part, r0] = blocks[b];
-      const int64_t rows = std::min<int64_t>(kBlockRows, part->rows - r0);
+      const int64_t rows = std::min<int64_t>(per_block, part->rows - r0);
       with_format(part->type, [&](auto format) {
         using F = decltype(format);
         if constexpr (F::kWholeRow) {
           static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
           DecodedRows<F> w = buffers.rows<F>();
           w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
-          // A panel of x's rows at a time stays in L2 while each weight tile, in L1, meets all of them.
+          // A panel of x's rows at a time stays in L1 and L2 while each weight tile meets all of them.
           for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
             const int64_t p1 = std::min(M, p0 + kPanelRows);
             for (int64_t t = 0; t < rows; t += kTileRows)
