@@ -4,6 +4,7 @@ tensors, loads in both engines and is cached; the W2 table's bandwidth bound; th
 neighbour ends with the run. Speed itself is never asserted here: a benchmark is not a test."""
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -60,9 +61,42 @@ def test_bench_compares_with_transformers_and_plots(tiny_checkpoint, small_workl
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
-def test_the_llama_cpp_comparison_needs_a_gguf_file(tiny_checkpoint):
-    with pytest.raises(SystemExit, match="runs GGUF files"):
-        bench.llama_cpp_runner(str(tiny_checkpoint("LlamaForCausalLM")))
+@pytest.mark.parametrize("engine", ["llama.cpp", "ik_llama.cpp"])
+def test_the_llama_cpp_comparisons_need_a_gguf_file(tiny_checkpoint, engine):
+    with pytest.raises(SystemExit, match=f"--compare {engine} runs GGUF files"):
+        bench.llama_cpp_runner(engine, str(tiny_checkpoint("LlamaForCausalLM")))
+
+
+def test_without_ik_llama_cpp_the_error_says_what_to_install(twin_cache, monkeypatch):
+    from nanovllm.entrypoints.bench_ik_llama_cpp import IkLlamaCppRunner
+    monkeypatch.setitem(sys.modules, "ik_llama_cpp", None)  # its import fails
+    with pytest.raises(SystemExit, match="--compare ik_llama.cpp needs ik-llama-cpp-python: pip install"):
+        IkLlamaCppRunner(str(twin_cache / "absent.gguf"), 1, 2, 256)
+
+
+def test_ik_llama_cpp_runs_the_workloads_loop(twin_cache):
+    """Several sequences at once, greedy and sampled, the cache cleared between calls: every
+    request gets its tokens, each a token of the vocabulary (greedy: the logits' argmax)."""
+    pytest.importorskip("ik_llama_cpp")
+    pytest.importorskip("llama_cpp")  # builds the twin
+    from nanovllm.entrypoints.bench_ik_llama_cpp import IkLlamaCppRunner
+    runner = IkLlamaCppRunner(bench_twins.build_twin(bench_twins.parse_twin("tiny-llama:Q8_0")), 1, 3, 256)
+    drawn = []
+    sampling = runner._sampling
+
+    @contextlib.contextmanager
+    def recording(temperature, seed=0):
+        with sampling(temperature, seed) as sample:
+            yield lambda row: drawn.append((temperature, sample(row), runner._logits(row).argmax())) or drawn[-1][1]
+    runner._sampling = recording
+    try:
+        for temperature in (0.0, 0.6, 0.0):
+            runner.generate([[1, 2, 3], list(range(5, 70)), [9]], [4, 3, 5], temperature)
+    finally:
+        runner.close()
+    assert len(drawn) == 3 * 12 and all(0 <= token < 320 for _, token, _ in drawn)
+    assert all(token == best for temperature, token, best in drawn if temperature == 0)
+    assert [t for _, t, _ in drawn[:12]] == [t for _, t, _ in drawn[24:]]  # a cleared cache: the same greedy run
 
 
 def test_bench_structured_w1_against_plain(tiny_checkpoint, small_workloads, capsys):

@@ -183,14 +183,17 @@ def load_transformers_model(model: str | None, dtype: torch.dtype):
     return hf.eval()
 
 
-def llama_cpp_runner(model_path: str):
-    """llama.cpp on the same GGUF file, threads and workloads (bench_llama_cpp)."""
+def llama_cpp_runner(engine: str, model_path: str):
+    """llama.cpp (bench_llama_cpp) or ik_llama.cpp (bench_ik_llama_cpp) on the same GGUF file,
+    threads and workloads."""
+    from nanovllm.entrypoints.bench_ik_llama_cpp import IkLlamaCppRunner
     from nanovllm.entrypoints.bench_llama_cpp import LlamaCppRunner
     if not model_path.endswith(".gguf"):
-        raise SystemExit(f"error: --compare llama.cpp runs GGUF files; {model_path} is not one")
+        raise SystemExit(f"error: --compare {engine} runs GGUF files; {model_path} is not one")
     w1 = throughput_workload()
     longest = max([len(p) + n for p, n in zip(w1.prompts, w1.max_tokens)] + [W2_PROMPT_LEN + W2_OUTPUT_LEN])
-    return LlamaCppRunner(model_path, torch.get_num_threads(), len(w1.prompts), -(-longest // 256) * 256)
+    runner = IkLlamaCppRunner if engine == "ik_llama.cpp" else LlamaCppRunner
+    return runner(model_path, torch.get_num_threads(), len(w1.prompts), -(-longest // 256) * 256)
 
 
 def run_throughput(runner, workload: Workload) -> Throughput:
@@ -325,9 +328,9 @@ def plot_concurrency(runners: list, workload: Workload, path: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="all", choices=["all", "w1", "w1-json", "w2"],
                         help="what to run (default: all; w1-json runs W1 plain and under a JSON schema)")
-    parser.add_argument("--compare", nargs="+", default=[], choices=["transformers", "llama.cpp"],
-                        help="also run the workloads with these engines (llama.cpp: a GGUF model only, through "
-                             "llama-cpp-python)")
+    parser.add_argument("--compare", nargs="+", default=[], choices=["transformers", "llama.cpp", "ik_llama.cpp"],
+                        help="also run the workloads with these engines (llama.cpp and ik_llama.cpp: a GGUF model "
+                             "only, through llama-cpp-python and ik-llama-cpp-python)")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="plot output tok/s against 1, 4, 16 and 64 concurrent requests")
     parser.add_argument("--twin", metavar="SHAPE:TYPE", type=parse_twin,
@@ -356,8 +359,9 @@ def main(args: argparse.Namespace) -> int:
     runners = [nano]
     if "transformers" in args.compare:
         runners.append(TransformersRunner(args.model, nano.llm.llm_engine.config.torch_dtype))
-    if "llama.cpp" in args.compare:
-        runners.append(llama_cpp_runner(model_path))
+    for engine in ("llama.cpp", "ik_llama.cpp"):
+        if engine in args.compare:
+            runners.append(llama_cpp_runner(engine, model_path))
     bandwidth = read_bandwidth_gbs()  # before the neighbour starts: the machine's own figure
     print(f"{machine_summary()}, read bandwidth {bandwidth:.1f} GB/s")
     for runner in runners:

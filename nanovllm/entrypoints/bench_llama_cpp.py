@@ -77,7 +77,12 @@ class LlamaCppRunner:
         self.lib.llama_free(self.ctx)
         self.lib.llama_model_free(self.model)
 
-    def _sampler(self, temperature: float, seed: int = 0):
+    def _clear_cache(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
+    @contextlib.contextmanager
+    def _sampling(self, temperature: float, seed: int = 0) -> Iterator:
+        """sample(row): the token drawn from the logits of the batch's row `row`."""
         lib = self.lib
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if temperature > 0:
@@ -85,49 +90,52 @@ class LlamaCppRunner:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
         else:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-        return chain
+        try:
+            yield lambda row: lib.llama_sampler_sample(chain, self.ctx, row)
+        finally:
+            lib.llama_sampler_free(chain)
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> None:
+        with self._sampling(temperature) as sample:
+            self._generate(prompts, max_tokens, sample)
+
+    def _generate(self, prompts: list[list[int]], max_tokens: list[int], sample) -> None:
         lib, batch = self.lib, self.batch
-        lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
-        sampler = self._sampler(temperature)
+        self._clear_cache()
         pending = [list(p) for p in prompts]  # each request's tokens not yet decoded
         position = [0] * len(prompts)
         left = list(max_tokens)
         running = [i for i in range(len(prompts)) if left[i] > 0]
-        try:
-            while running:
-                # Requests with one token pending (decodes) go first, then prompt chunks.
-                order = sorted(running, key=lambda i: len(pending[i]) > 1)
-                n, samples = 0, []
-                for i in order:
-                    take = min(len(pending[i]), STEP_TOKENS - n)
-                    if take == 0:
-                        break
-                    for j in range(take):
-                        batch.token[n] = pending[i][j]
-                        batch.pos[n] = position[i] + j
-                        batch.n_seq_id[n] = 1
-                        batch.seq_id[n][0] = i
-                        batch.logits[n] = False
-                        n += 1
-                    del pending[i][:take]
-                    position[i] += take
-                    if not pending[i]:  # the request's last token: sample after it
-                        batch.logits[n - 1] = True
-                        samples.append((i, n - 1))
-                batch.n_tokens = n
-                if lib.llama_decode(self.ctx, batch) != 0:
-                    raise RuntimeError("llama_decode failed (the context is too small for the workload?)")
-                for i, row in samples:
-                    token = lib.llama_sampler_sample(sampler, self.ctx, row)
-                    left[i] -= 1
-                    if left[i] > 0:
-                        pending[i].append(token)
-                    else:
-                        running.remove(i)
-        finally:
-            lib.llama_sampler_free(sampler)
+        while running:
+            # Requests with one token pending (decodes) go first, then prompt chunks.
+            order = sorted(running, key=lambda i: len(pending[i]) > 1)
+            n, samples = 0, []
+            for i in order:
+                take = min(len(pending[i]), STEP_TOKENS - n)
+                if take == 0:
+                    break
+                for j in range(take):
+                    batch.token[n] = pending[i][j]
+                    batch.pos[n] = position[i] + j
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = i
+                    batch.logits[n] = False
+                    n += 1
+                del pending[i][:take]
+                position[i] += take
+                if not pending[i]:  # the request's last token: sample after it
+                    batch.logits[n - 1] = True
+                    samples.append((i, n - 1))
+            batch.n_tokens = n
+            if lib.llama_decode(self.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed (the context is too small for the workload?)")
+            for i, row in samples:
+                token = sample(row)
+                left[i] -= 1
+                if left[i] > 0:
+                    pending[i].append(token)
+                else:
+                    running.remove(i)
 
 
 @contextlib.contextmanager
