@@ -6,7 +6,8 @@ a recipe and code, written for this purpose) is cut into
 windows of `--window` tokens; each window is a prompt to both engines, and the second half of each
 window's positions is scored, so every scored token has at least half a window of context. The
 configuration under test takes its prompts `--step-tokens` (8) at a time, as chunks of a decode-
-sized step, so its few-row kernels (the quantized ones' integer path) are what is measured. The
+sized step, so its few-row kernels are what is measured (the quantized ones give every step
+size the same bits). The
 reference is the same checkpoint with every weight dequantized (`quantization="dense"`) in fp32,
 eager; the configuration under test is the one the engine flags describe (by default: the
 checkpoint's own quantized types, the default dtype). Reported: both perplexities, the mean,

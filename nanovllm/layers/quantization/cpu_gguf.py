@@ -1,7 +1,8 @@
 """The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K, Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp): few rows as integer dot
-products over activations quantized to 16-bit blocks, more rows by an fp32 GEMM over weight rows
-dequantized a few at a time into cache.
+Q5_1, Q4_K, Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp) in integer dot
+products over activations quantized to 16-bit blocks: few rows streaming each weight row from its
+blocks, more rows in tiles over weight rows decoded a block at a time into cache, every output
+element the same bits either way (batch invariance).
 
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
 weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). Once
