@@ -733,9 +733,10 @@ constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;
 constexpr int kTileX = simd::kRegisters == 32 ? 6 : 2;
 constexpr int64_t kPanelRows = 16 * kTileX;
 // A block's decoded rows fill at most about a quarter of a core's L2 (the more rows a block, the
-// fewer times a long step's x comes through L2), in at least four blocks a thread (balance).
+// fewer times a long step's x comes through L2), in at least eight blocks a thread: enough that a
+// thread can take over the blocks of one another process holds up (benchmarks/RESULTS.md).
 constexpr int64_t kBlockBytes = 256 * 1024;
-constexpr int64_t kBlocksPerThread = 4;
+constexpr int64_t kBlocksPerThread = 8;
 
 int64_t block_rows(int64_t N, int64_t K) {
   const int64_t by_cache = kBlockBytes / (2 * K) / kTileRows * kTileRows;
