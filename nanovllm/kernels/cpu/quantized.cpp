@@ -543,6 +543,15 @@ struct RowSums {
         });
   }
   float total() const { return simd::reduce_add8(simd::add8(acc, offsets)) + tail_offsets; }
+  // total() of each of n <= 8, bit for bit, eight at once (reduce_add8x8 keeps reduce_add8's tree).
+  static void totals(const RowSums* each, int n, float* out) {
+    Vec8 sums[8];
+    float tails[8] = {}, all[8];
+    for (int i = 0; i < 8; i++) sums[i] = i < n ? simd::add8(each[i].acc, each[i].offsets) : simd::zero8();
+    for (int i = 0; i < n; i++) tails[i] = each[i].tail_offsets;
+    simd::store8(all, simd::add8(simd::reduce_add8x8(sums), simd::load8(tails)));
+    std::copy(all, all + n, out);
+  }
 };
 
 // Bytes ahead of a group that lanes_dot_rows prefetches: the hardware prefetcher alone leaves one
@@ -846,17 +855,12 @@ void lanes_tile(const DecodedRows<F>& w, int64_t t, const QuantizedRows& x, int6
       for (int m = 0; m < P; m++)
         sums[r][m].add_chunk(w.tail_values[at], w.tail_scales[at], w.tail_offsets[at], x, m0 + m, 8 * w.groups + c);
     }
-  // RowSums::total() of each, bit for bit, eight at a time.
+  const RowSums* flat = &sums[0][0];  // row-major: pair i is sums[i / P][i % P]
   for (int i0 = 0; i0 < kTileRows * P; i0 += 8) {
-    Vec8 each[8];
-    float tail_offsets[8] = {}, totals[8];
-    for (int i = 0; i < 8; i++) {
-      const RowSums* one = i0 + i < kTileRows * P ? &sums[(i0 + i) / P][(i0 + i) % P] : nullptr;
-      each[i] = one != nullptr ? simd::add8(one->acc, one->offsets) : simd::zero8();
-      if (one != nullptr) tail_offsets[i] = one->tail_offsets;
-    }
-    simd::store8(totals, simd::add8(simd::reduce_add8x8(each), simd::load8(tail_offsets)));
-    for (int i = 0; i < std::min(8, kTileRows * P - i0); i++) out[(i0 + i) / P][(i0 + i) % P] = totals[i];
+    float totals[8];
+    const int n = std::min(8, kTileRows * P - i0);
+    RowSums::totals(flat + i0, n, totals);
+    for (int i = 0; i < n; i++) out[(i0 + i) / P][(i0 + i) % P] = totals[i];
   }
 }
 
