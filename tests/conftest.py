@@ -34,7 +34,7 @@ requires_default_model = pytest.mark.skipif(
 # Byte offsets of the fp16 scale fields in one block of each GGML block type (ggml's layouts),
 # which random bytes would otherwise make inf/nan.
 GGUF_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
-                      "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                      "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_gguf_blocks(qtype: str, rows: int, in_features: int, rng: np.random.Generator,

@@ -5,7 +5,7 @@ Dequantization: bit-exact against gguf-py's reference for every block format the
 The streaming kernel (few rows, x quantized to 16-bit blocks): against the fp32 product of the
 dequantized weight and x, for rows in one pass, in passes split evenly, bf16 and fp32 x, with a
 bias. The tiled kernel (many rows): the streaming kernel's results bit for bit, and each row's
-alone (batch invariance). Real tensors of each type of the default file too. The lanes layouts (Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+alone (batch invariance). Real tensors of each type of the default file too. The lanes layouts (every type
 repacked at load): dequantized bit for bit as the file's blocks, and both paths the blocks' own results, for
 rows of whole groups of 256 values, with a tail of blocks, and shorter than a group. A packed
 layer whose projections differ in type: each part its own type's product, and a GGUF file whose
@@ -95,8 +95,10 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
     blocks = random_blocks(qtype, n, in_features)
     lanes = torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features)
     kind = LANES_TYPE_BASE + BLOCK_TYPES[qtype]
-    # The same bytes a row; Q4_K's scales and minimums a byte each: 148 bytes a block of 256, not 144.
-    row_bytes = in_features // 256 * 148 if qtype == "Q4_K" else blocks.shape[1]
+    # The same bytes a row, but a scale (and minimum) a byte each: Q4_K, Q5_K and IQ4_XS take 148,
+    # 180 and 138 bytes a block of 256, not 144, 176 and 136.
+    wider = {"Q4_K": 148, "Q5_K": 180, "IQ4_XS": 138}
+    row_bytes = in_features // 256 * wider[qtype] if qtype in wider else blocks.shape[1]
     assert lanes.shape == (n, row_bytes) and lanes.dtype == torch.uint8
     assert torch.equal(torch.ops.nanovllm_cpu.gguf_dequantize(lanes, kind, in_features),
                        reference_dequantize(blocks, qtype, in_features))

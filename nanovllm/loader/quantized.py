@@ -15,7 +15,7 @@ from gguf.quants import quantize
 
 # The formats kept in blocks, by GGML name, and their type ids (the kernels' `type`).
 BLOCK_TYPES = {name: int(GGMLQuantizationType[name]) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
-                                                                          "Q6_K")}
+                                                                          "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")}
 
 
 def block_values(qtype: str) -> int:

@@ -1,5 +1,5 @@
 // gguf_linear / gguf_dequantize: y = x W^T (+ b) over a weight kept in a GGUF block format (Q8_0,
-// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K), rows as the file stores them: [N, row bytes], K/block blocks a row.
+// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), rows as the file stores them: [N, row bytes], K/block blocks a row.
 // gguf_linear_parts: the same over a packed layer whose projections differ in format, each part's
 // rows in its own, in one call (x quantized once, one parallel region over every part's rows).
 //
@@ -152,6 +152,29 @@ struct Q4_K {
   }
 };
 
+// 256 values of 5 bits: d, dmin and the sub-blocks' scales and minimums as Q4_K's, then 32 bytes
+// of fifth bits (value l of sub-block c in bit c of byte l), then 128 bytes of low four bits as Q4_K's.
+struct Q5_K {
+  static constexpr int kType = 13, kValues = 256, kBytes = 176;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const auto [d, dmin] = simd::two_halves_at(b);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    for (int j = 0; j < 4; j++) {
+      const auto [sc0, m0] = Q4_K::scale_min(scales, 2 * j);
+      const auto [sc1, m1] = Q4_K::scale_min(scales, 2 * j + 1);
+      visit(c + 2 * j, simd::fifth_bits(simd::low_nibble_words(qs + 32 * j), qh, 2 * j), simd::set1_8(d * sc0), -dmin * m0);
+      visit(c + 2 * j + 1, simd::fifth_bits(simd::high_nibble_words(qs + 32 * j), qh, 2 * j + 1), simd::set1_8(d * sc1),
+            -dmin * m1);
+    }
+  }
+};
+
 // 256 values of 6 bits: low nibbles in ql[128], the top two bits in qh[64], 16 int8 scales (one
 // per 16 values), then d (fp16). Each half of 128 values reads 64 bytes of ql and 32 of qh.
 struct Q6_K {
@@ -180,7 +203,48 @@ struct Q6_K {
   }
 };
 
-// Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 repacked at load (repack_lanes) for the decode kernel, in the same
+// The non-linear 4-bit formats' sixteen values (ggml's kvalues_iq4nl, -127 to 113) plus 128: the
+// kernels decode an index to this unsigned byte, and the -128 comes back as an offset of -128 d.
+inline constexpr uint8_t kIq4Values[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// 32 non-linear 4-bit values: d (fp16), then 16 bytes of indices laid out as Q4_0's nibbles.
+struct IQ4_NL {
+  static constexpr int kType = 20, kValues = 32, kBytes = 18;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
+  static constexpr int kScaleBytes = 2, kFifthBitBytes = 0;
+  static constexpr float kZeroPoint = 128.0f;
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::look_up(simd::nibble_quad(values + 32 * j), kIq4Values); }
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = simd::two_halves_at(b).first;
+    visit(c, simd::look_up(simd::nibble_words(b + 2), kIq4Values), simd::set1_8(d), -kZeroPoint * d);
+  }
+};
+
+// 256 non-linear 4-bit values: d (fp16), the eight sub-blocks' 6-bit scales (less 32) as their
+// top two bits (16 bits) and low four (4 bytes), then each sub-block's indices as IQ4_NL's.
+struct IQ4_XS {
+  static constexpr int kType = 23, kValues = 256, kBytes = 136;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = false;
+  static int scale(const uint8_t* b, int c) {
+    const int high = (b[2] | b[3] << 8) >> (2 * c) & 3, low = b[4 + c / 2] >> (4 * (c % 2)) & 0x0f;
+    return (low | high << 4) - 32;
+  }
+  template <class Visit>
+  static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
+    const float d = simd::two_halves_at(b).first;
+    for (int j = 0; j < 8; j++) {
+      const float dj = d * float(scale(b, j));
+      visit(c + j, simd::look_up(simd::nibble_words(b + 8 + 16 * j), kIq4Values), simd::set1_8(dj), -128.0f * dj);
+    }
+  }
+};
+
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or IQ4_NL repacked at load (repack_lanes) for the decode kernel, in the same
 // bytes a chunk: each group of eight chunks (256 values) as its eight fp16 scales (Q4_1's and
 // Q5_1's eight minimums after them), then its values as four quads (the Q5 formats' fifth bits after them) (simd.h: lane l of every vector is chunk l's), so
 // that a group's integer sums come out as one vector of its chunks and meet their scales in one
@@ -206,7 +270,7 @@ struct Lanes {
   static simd::Quad quad(const uint8_t* values, int j) { return Base::quad(values, j); }
 };
 
-// Q4_K repacked at load (repack_q4_k_lanes) for the decode kernel: each block of 256 values as
+// Q4_K repacked at load (repack_k_lanes) for the decode kernel: each block of 256 values as
 // d and dmin (fp16), its eight sub-blocks' 6-bit scales and then their minimums a byte each,
 // then its values as four nibble quads (lane l = sub-block l), 148 bytes instead of 144. A
 // block's scales d * sc and offsets -dmin * m (as the file's blocks give them) come out as one
@@ -225,6 +289,29 @@ struct Q4_KLanes {
     return simd::mul8(simd::set1_8(-simd::two_halves_at(group).second), simd::bytes_at(group + 12));
   }
   static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
+};
+
+// Q5_K repacked at load (repack_k_lanes) as Q4_KLanes, its fifth bits after the four nibble
+// quads as the Q5 Lanes formats keep them (simd::five_bit_quad): 180 bytes a block instead of 176.
+// Type id 1013, this project's.
+struct Q5_KLanes : Q4_KLanes {
+  static constexpr int kType = 1000 + Q5_K::kType, kBytes = 180, kGroupBytes = kBytes;
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
+};
+
+// IQ4_XS repacked at load (repack_iq4_xs_lanes): each block of 256 values as d (fp16), its eight
+// sub-blocks' scales a signed byte each, then its indices as four nibble quads, 138 bytes instead
+// of 136. Type id 1023, this project's.
+struct IQ4_XSLanes {
+  static constexpr int kType = 1000 + IQ4_XS::kType, kValues = 256, kBytes = 138;
+  static constexpr bool kScalePer16 = false;
+  static constexpr bool kOffset = true;
+  static constexpr bool kWholeRow = true;
+  static constexpr bool kTail = false;
+  static constexpr int kGroupBytes = kBytes, kHeaderBytes = 10;
+  static Vec8 scales(const uint8_t* group) { return simd::mul8(simd::set1_8(half_at(group)), simd::signed_bytes_at(group + 2)); }
+  static Vec8 offsets(const uint8_t*, Vec8 d) { return simd::mul8(d, simd::set1_8(-128.0f)); }
+  static simd::Quad quad(const uint8_t* values, int j) { return simd::look_up(simd::nibble_quad(values + 32 * j), kIq4Values); }
 };
 
 // Q6_K repacked at load (repack_q6_k_lanes): each block of 256 values as d (fp16), its sixteen
@@ -326,18 +413,45 @@ void repack_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
   std::memcpy(dst + groups * F::kGroupBytes, src + groups * F::kGroupBytes, (K / 32 - 8 * groups) * F::kBytes);
 }
 
-// A row of K values of Q4_K in the Q4_KLanes layout.
-void repack_q4_k_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
+// A row of K values of Q4_K or Q5_K (Source) in its lanes layout (Target: Q4_KLanes, Q5_KLanes).
+template <class Source, class Target>
+void repack_k_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
+  constexpr bool kFifthBits = std::is_same_v<Source, Q5_K>;
   for (int64_t g = 0; g < K / 256; g++) {
-    const uint8_t* block = src + g * Q4_K::kBytes;
-    uint8_t* group = dst + g * Q4_KLanes::kBytes;
+    const uint8_t* block = src + g * Source::kBytes;
+    uint8_t* group = dst + g * Target::kBytes;
     std::memcpy(group, block, 4);
     for (int c = 0; c < 8; c++) std::tie(group[4 + c], group[12 + c]) = Q4_K::scale_min(block + 4, c);
-    // Sub-block c's value v: the low (c even) or high nibble of byte 32 (c / 2) + v.
-    const uint8_t* qs = block + 16;
+    // Sub-block c's value v: the low (c even) or high nibble of byte 32 (c / 2) + v of qs; with
+    // Q5_K its fifth bit is bit c of byte v of qh.
+    const uint8_t* qh = block + 16;
+    const uint8_t* qs = block + (kFifthBits ? 48 : 16);
+    uint8_t* values = group + Target::kHeaderBytes;
     for (int c = 0; c < 8; c++)
-      pack_chunk_nibbles(c, [&](int v) { return (qs[32 * (c / 2) + v] >> (4 * (c % 2))) & 0x0f; },
-                         group + Q4_KLanes::kHeaderBytes);
+      pack_chunk_nibbles(c, [&](int v) { return (qs[32 * (c / 2) + v] >> (4 * (c % 2))) & 0x0f; }, values);
+    if constexpr (kFifthBits) {
+      // value 2r + p of sub-block c's fifth bit in bit r of word 2c + p, as repack_lanes lays them
+      uint16_t* words = reinterpret_cast<uint16_t*>(values + 128);
+      std::memset(words, 0, 32);
+      for (int c = 0; c < 8; c++)
+        for (int r = 0; r < 16; r++)
+          for (int p = 0; p < 2; p++) words[2 * c + p] |= uint16_t(((qh[2 * r + p] >> c) & 1) << r);
+    }
+  }
+}
+
+// A row of K values of IQ4_XS in the IQ4_XSLanes layout.
+void repack_iq4_xs_lanes(const uint8_t* src, int64_t K, uint8_t* dst) {
+  for (int64_t g = 0; g < K / 256; g++) {
+    const uint8_t* block = src + g * IQ4_XS::kBytes;
+    uint8_t* group = dst + g * IQ4_XSLanes::kBytes;
+    std::memcpy(group, block, 2);
+    for (int c = 0; c < 8; c++) group[2 + c] = uint8_t(int8_t(IQ4_XS::scale(block, c)));
+    // Sub-block c's index v: the low (v < 16) or high nibble of byte 16 c + v % 16.
+    const uint8_t* qs = block + 8;
+    for (int c = 0; c < 8; c++)
+      pack_chunk_nibbles(c, [&](int v) { return (qs[16 * c + v % 16] >> (4 * (v / 16))) & 0x0f; },
+                         group + IQ4_XSLanes::kHeaderBytes);
   }
 }
 
@@ -608,6 +722,7 @@ void with_format(int64_t type, Body&& body) {
     case Q4_0::kType: return body(Q4_0{});
     case Q4_1::kType: return body(Q4_1{});
     case Q4_K::kType: return body(Q4_K{});
+    case Q5_K::kType: return body(Q5_K{});
     case Q6_K::kType: return body(Q6_K{});
     case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
     case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
@@ -616,11 +731,16 @@ void with_format(int64_t type, Body&& body) {
     case Q5_1::kType: return body(Q5_1{});
     case Lanes<Q5_0>::kType: return body(Lanes<Q5_0>{});
     case Lanes<Q5_1>::kType: return body(Lanes<Q5_1>{});
+    case IQ4_NL::kType: return body(IQ4_NL{});
+    case IQ4_XS::kType: return body(IQ4_XS{});
+    case Lanes<IQ4_NL>::kType: return body(Lanes<IQ4_NL>{});
+    case IQ4_XSLanes::kType: return body(IQ4_XSLanes{});
     case Q4_KLanes::kType: return body(Q4_KLanes{});
+    case Q5_KLanes::kType: return body(Q5_KLanes{});
     case Q6_KLanes::kType: return body(Q6_KLanes{});
   }
   TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), "
-              "Q8_0 (8), Q4_K (12), Q6_K (14)");
+              "Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23)");
 }
 
 // Rows of x per pass over a weight row: the accumulators with a weight chunk and its scale fit
@@ -1046,11 +1166,14 @@ at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_featur
     case Q4_1::kType: repack(Q4_1{}, Lanes<Q4_1>{}, repack_lanes<Q4_1>); break;
     case Q5_0::kType: repack(Q5_0{}, Lanes<Q5_0>{}, repack_lanes<Q5_0>); break;
     case Q5_1::kType: repack(Q5_1{}, Lanes<Q5_1>{}, repack_lanes<Q5_1>); break;
-    case Q4_K::kType: repack(Q4_K{}, Q4_KLanes{}, repack_q4_k_lanes); break;
+    case Q4_K::kType: repack(Q4_K{}, Q4_KLanes{}, repack_k_lanes<Q4_K, Q4_KLanes>); break;
+    case Q5_K::kType: repack(Q5_K{}, Q5_KLanes{}, repack_k_lanes<Q5_K, Q5_KLanes>); break;
     case Q6_K::kType: repack(Q6_K{}, Q6_KLanes{}, repack_q6_k_lanes); break;
+    case IQ4_NL::kType: repack(IQ4_NL{}, Lanes<IQ4_NL>{}, repack_lanes<IQ4_NL>); break;
+    case IQ4_XS::kType: repack(IQ4_XS{}, IQ4_XSLanes{}, repack_iq4_xs_lanes); break;
     default:
       TORCH_CHECK(false, "gguf_repack: GGUF type ", type, " has no lanes layout; Q4_0 (2), Q4_1 (3), Q5_0 (6), "
-                  "Q5_1 (7), Q8_0 (8), Q4_K (12) and Q6_K (14) have");
+                  "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20) and IQ4_XS (23) have");
   }
   return out;
 }

@@ -438,6 +438,15 @@ inline Words five_bit_words(const uint8_t* qh, const uint8_t* qs) {
   const Words low = nibble_words(qs);
   return {_mm256_or_si256(low.lo, fifth(high & 0xffff)), _mm256_or_si256(low.hi, fifth(high >> 16))};
 }
+// low's values plus 16 where bit `bit` (0-7) of byte j of the 32 bytes at p is set (value j's fifth bit).
+inline Words fifth_bits(Words low, const uint8_t* p, int bit) {
+  const auto sixteens = [&](const uint8_t* half) {  // the bit moved to bit 4 of each word
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)half));
+    const __m256i at4 = bit <= 4 ? _mm256_sll_epi16(w, _mm_cvtsi32_si128(4 - bit)) : _mm256_srl_epi16(w, _mm_cvtsi32_si128(bit - 4));
+    return _mm256_and_si256(at4, _mm256_set1_epi16(16));
+  };
+  return {_mm256_or_si256(low.lo, sixteens(p)), _mm256_or_si256(low.hi, sixteens(p + 16))};
+}
 inline Words load_words(const int16_t* p) {
   return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)p + 1)};
 }
@@ -501,6 +510,17 @@ inline Quad five_bit_quad(const uint8_t* nibbles, const uint8_t* fifth_bits, int
   q.v[3] = _mm256_or_si256(q.v[3], _mm256_and_si256(_mm256_slli_epi16(top, 1), mask));
   return q;
 }
+// Each word, an index 0-15, replaced by table[index] (16 unsigned bytes; the non-linear formats).
+inline __m256i look_up(__m256i indices, const uint8_t* table) {
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)table));
+  // a word's high byte, 0x80, selects zero
+  return _mm256_shuffle_epi8(both, _mm256_or_si256(indices, _mm256_set1_epi16(int16_t(0x8000))));
+}
+inline Quad look_up(Quad q, const uint8_t* table) {
+  for (int k = 0; k < 4; k++) q.v[k] = look_up(q.v[k], table);
+  return q;
+}
+inline Words look_up(Words w, const uint8_t* table) { return {look_up(w.lo, table), look_up(w.hi, table)}; }
 // s plus the quad's products with its 64 words of x (laid out as the quad is).
 #if defined(NANOVLLM_SIMD_AVX512)
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
@@ -668,6 +688,10 @@ inline Words five_bit_words(const uint8_t* qh, const uint8_t* qs) {
   for (int j = 0; j < 32; j++) w.v[j] = int16_t(w.v[j] | ((high >> j) & 1) << 4);
   return w;
 }
+inline Words fifth_bits(Words low, const uint8_t* p, int bit) {
+  for (int j = 0; j < 32; j++) low.v[j] = int16_t(low.v[j] | ((p[j] >> bit) & 1) << 4);
+  return low;
+}
 inline Words load_words(const int16_t* p) {
   Words w;
   std::memcpy(w.v, p, 64);
@@ -717,6 +741,15 @@ inline Quad five_bit_quad(const uint8_t* nibbles, const uint8_t* fifth_bits, int
     for (int k = 0; k < 4; k++) q.v[k][i] = int16_t(q.v[k][i] | ((word >> (4 * j + k)) & 1) << 4);
   }
   return q;
+}
+inline Quad look_up(Quad q, const uint8_t* table) {
+  for (auto& vector : q.v)
+    for (int16_t& v : vector) v = table[v];
+  return q;
+}
+inline Words look_up(Words w, const uint8_t* table) {
+  for (int16_t& v : w.v) v = table[v];
+  return w;
 }
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   for (int k = 0; k < 4; k++)

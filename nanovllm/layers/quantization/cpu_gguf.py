@@ -1,5 +1,5 @@
 """The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K, Q6_K) and multiplied by the block kernels (kernels/cpu/quantized.cpp) in integer dot
+Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) and multiplied by the block kernels (kernels/cpu/quantized.cpp) in integer dot
 products over activations quantized to 16-bit blocks: few rows streaming each weight row from its
 blocks, more rows in tiles over weight rows decoded a block at a time into cache, every output
 element the same bits either way (batch invariance).
@@ -7,8 +7,8 @@ element the same bits either way (batch invariance).
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
 weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). Once
 loaded, every format's rows are repacked into the kernels' lanes layouts (a group of
-eight 32-value chunks' sums in one vector's lanes; the same bytes a row, or for Q4_K 148 bytes a
-256-value block instead of 144): from then on the kernels take the layout's own type id. An
+eight 32-value chunks' sums in one vector's lanes; the same bytes a row, or for Q4_K, Q5_K and IQ4_XS
+148, 180 and 138 bytes a 256-value block instead of 144, 176 and 136): from then on the kernels take the layout's own type id. An
 embedding looks up rows of blocks and dequantizes only those.
 
 A packed layer (q/k/v, gate/up) whose projections the file stores in different types (Q4_K_M
@@ -27,7 +27,7 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 # same bits, so this is a matter of speed only.
 MAX_STREAMING_ROWS = 10
 # Every kept format is repacked into its lanes layout at load, whose type id is 1000 + the GGML
-# type's (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes and Q6_KLanes).
+# type's (kernels/cpu/quantized.cpp's Lanes, Q4_KLanes, Q5_KLanes, Q6_KLanes and IQ4_XSLanes).
 LANES_TYPE_BASE = 1000
 # decoder_layer.cpp's kind for a linear in parts of differing types.
 PARTS_KIND = -2
