@@ -29,6 +29,7 @@ from nanovllm.loader.gguf import (
 
 _K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _QUANTIZABLE = (Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+_NON_LINEAR = (Q.IQ4_NL, Q.IQ4_XS)
 
 
 def _write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, Q | None]], **meta) -> str:
@@ -88,7 +89,7 @@ def _raw_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> n
 # --- (a) dequantization -------------------------------------------------------------------------
 
 
-_ALL_TYPES = (Q.F32, Q.F16, *_QUANTIZABLE, *_K_QUANTS)
+_ALL_TYPES = (Q.F32, Q.F16, *_QUANTIZABLE, *_K_QUANTS, *_NON_LINEAR)
 
 
 def test_every_supported_type_is_tested():
@@ -118,9 +119,9 @@ def test_dequantize_matches_gguf_reference(tmp_path, qtype):
 
 
 def test_unsupported_tensor_type_names_type_and_tensor(tmp_path):
-    raw = np.random.default_rng(0).integers(0, 256, (4, 18 * 4), dtype=np.uint8)  # IQ4_NL: 18-byte blocks of 32
-    path = _write_gguf(tmp_path / "t.gguf", "qwen2", {"blk.0.ffn_up.weight": (raw, Q.IQ4_NL)})
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*IQ4_NL"):
+    raw = np.random.default_rng(0).integers(0, 256, (4, 66), dtype=np.uint8)  # IQ2_XXS: 66-byte blocks of 256
+    path = _write_gguf(tmp_path / "t.gguf", "qwen2", {"blk.0.ffn_up.weight": (raw, Q.IQ2_XXS)})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*IQ2_XXS"):
         next(iter_gguf_weights(path))
 
 
