@@ -12,14 +12,19 @@ reference is the same checkpoint with every weight dequantized (`quantization="d
 eager; the configuration under test is the one the engine flags describe (by default: the
 checkpoint's own quantized types, the default dtype). Reported: both perplexities, the mean,
 median, 99th percentile and largest KL divergence KL(reference || test), and how often both
-engines' most likely next token agree.
+engines' most likely next token agree. With `--compare llama.cpp` (a GGUF file), llama.cpp runs the
+same file on the same windows (llama-cpp-python, every position's logits) and is scored against
+the same reference beside us: the quality floor of a quantized type is llama.cpp's own figure.
 """
 
 import argparse
+import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
@@ -84,15 +89,41 @@ def compare(reference: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) 
     }
 
 
-def evaluate(reference_llm, llm, tokens: list[int], window: int) -> Divergence:
-    parts = []
+def llama_cpp_logits(model_path: str, threads: int, window: int) -> Callable[[list[int]], torch.Tensor]:
+    """prompt_logits's counterpart for llama.cpp running the GGUF file at model_path."""
+    from nanovllm.entrypoints.bench_llama_cpp import import_llama_cpp
+
+    llama_cpp = import_llama_cpp("--compare llama.cpp")
+    llm = llama_cpp.Llama(model_path, n_ctx=window, n_batch=window, logits_all=True, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+
+    def logits(prompt: list[int]) -> torch.Tensor:
+        llm.reset()
+        llm.eval(prompt)
+        rows = torch.from_numpy(np.asarray(llm.scores[: len(prompt) - 1], dtype=np.float32))
+        return torch.log_softmax(rows, dim=-1)
+    return logits
+
+
+Logits = Callable[[list[int]], torch.Tensor]
+
+
+def evaluate(reference: Logits, tests: dict[str, Logits], tokens: list[int], window: int) -> dict[str, Divergence]:
+    """Each of `tests` (by name) against `reference`: prompt -> log-softmax rows, as prompt_logits."""
+    parts = {name: [] for name in tests}
     for start in range(0, len(tokens) - window + 1, window):
         prompt = tokens[start:start + window]
         scored = slice(window // 2 - 1, window - 1)  # predictions of tokens window/2 .. window-1
         targets = torch.tensor(prompt[1:])[scored]
-        parts.append(compare(prompt_logits(reference_llm, prompt)[scored], prompt_logits(llm, prompt)[scored], targets))
-    if not parts:
+        expected = reference(prompt)[scored]
+        for name, test in tests.items():
+            parts[name].append(compare(expected, test(prompt)[scored], targets))
+    if not next(iter(parts.values())):
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than one window of {window}")
+    return {name: _divergence(each) for name, each in parts.items()}
+
+
+def _divergence(parts: list[dict[str, torch.Tensor]]) -> Divergence:
     stats = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     kl = stats["kl"]
     return Divergence(
@@ -116,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens a step for the configuration under test, so that the kernels of "
                              "decode-sized steps are what is measured (default: %(default)s; the reference "
                              "takes whole windows)")
+    parser.add_argument("--compare", choices=["llama.cpp"], nargs="+", default=[],
+                        help="also score llama.cpp on the same GGUF file and windows against the same reference "
+                             "(needs llama-cpp-python)")
     add_engine_arguments(parser)
     parser.set_defaults(enable_prefix_caching=False)
 
@@ -132,12 +166,21 @@ def main(args: argparse.Namespace) -> int:
     with open(args.text) as f:
         text = f.read()
     llm = LLM(**dict(kwargs, max_num_batched_tokens=args.step_tokens))
+    config = llm.llm_engine.config
+    if args.compare and not config.model_path.endswith(".gguf"):
+        raise ValueError(f"--compare llama.cpp runs a GGUF file; {config.model_path} is not one")
     reference_kwargs = dict(kwargs, dtype="float32", quantization="dense", enforce_eager=True,
                             max_num_batched_tokens=max(args.window, kwargs.get("max_num_batched_tokens") or 0))
     reference = LLM(**reference_kwargs)
     tokens = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
-    config = llm.llm_engine.config
     print(f"{config.model_path}: {config.dtype}, quantization {config.quantization or 'the checkpoint own'}, "
           f"{args.step_tokens} tokens a step, against dense float32; {len(tokens)} tokens, windows of {args.window}")
-    print("\n".join(evaluate(reference, llm, tokens, args.window).lines()))
+    tests = {"nano-vllm": functools.partial(prompt_logits, llm)}
+    if args.compare:
+        tests["llama.cpp"] = llama_cpp_logits(config.model_path, config.num_threads, args.window)
+    results = evaluate(functools.partial(prompt_logits, reference), tests, tokens, args.window)
+    for name, divergence in results.items():
+        if len(results) > 1:
+            print(f"{name}:")
+        print("\n".join(divergence.lines()))
     return 0
