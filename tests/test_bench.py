@@ -36,7 +36,8 @@ def small_workloads(monkeypatch):
     w1 = bench.Workload([[rng.randrange(300) for _ in range(rng.randint(8, 40))] for _ in range(64)],
                         [rng.randint(2, 12) for _ in range(64)], 0.6)
     monkeypatch.setattr(bench, "throughput_workload", lambda: w1)
-    monkeypatch.setattr(bench, "latency_prompt", lambda: [rng.randrange(300) for _ in range(16)])
+    monkeypatch.setattr(bench, "latency_prompt", lambda length: [rng.randrange(300) for _ in range(length)])
+    monkeypatch.setattr(bench, "W2_INPUT_LEN", 16)  # the defaults of --input-len and --output-len
     monkeypatch.setattr(bench, "W2_OUTPUT_LEN", 8)
     return w1
 
@@ -241,6 +242,21 @@ def test_without_llama_cpp_the_errors_say_what_to_install(twin_cache, monkeypatc
         bench.main(parser.parse_args(["--contention"]))
 
 
+def test_w2_takes_its_lengths_from_the_options(tiny_checkpoint, small_workloads, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    model = str(tiny_checkpoint("LlamaForCausalLM"))
+    args = parser.parse_args(["--model", model, "--workload", "w2", "--input-len", "24", "--output-len", "4",
+                              "--num-kvcache-blocks", "16"])
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert "W2 latency: 1 request, 24 prompt tokens, 4 greedy output tokens" in out
+    ttft, prompt_rate = out.split("W2 latency")[1].splitlines()[2].split()[1:3]  # nano-vllm's row
+    assert float(prompt_rate) == pytest.approx(24 / float(ttft), rel=0.01)
+    with pytest.raises(SystemExit, match="--output-len at least 2"):
+        bench.main(parser.parse_args(["--model", model, "--output-len", "1"]))
+
+
 def test_the_w2_table_gives_each_decode_rate_share_of_the_bound(tmp_path, capsys):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"\0" * 1000)
@@ -249,8 +265,8 @@ def test_the_w2_table_gives_each_decode_rate_share_of_the_bound(tmp_path, capsys
     bench.print_latency({"nano-vllm": bench.Latency(0.1, 150.0), "llama.cpp": bench.Latency(0.1, 100.0)}, bound)
     out = capsys.readouterr().out
     assert [line.split() for line in out.splitlines()[3:6]] == [
-        ["nano-vllm", "0.100", "150.0", "75%"], ["llama.cpp", "0.100", "100.0", "50%"],
-        ["vs", "llama.cpp", "1.00x", "1.50x"]]
+        ["nano-vllm", "0.100", "1280.0", "150.0", "75%"], ["llama.cpp", "0.100", "1280.0", "100.0", "50%"],
+        ["vs", "llama.cpp", "1.00x", "1.00x", "1.50x"]]
     assert "bound: 200.0 tok/s" in out and "caches" not in out
     bench.print_latency({"nano-vllm": bench.Latency(0.1, 300.0)}, bound)
     out = capsys.readouterr().out  # a rate past the bound is shown, and said to come from the caches

@@ -5,8 +5,10 @@ W1 (throughput): 64 random-id prompts of 64-512 tokens, 32-256 output tokens eac
 0.6, EOS ignored, all submitted at once (seed 0; nano-vllm's bench shape scaled to 2 cores).
 W1-JSON (structured outputs): W1 again, every request under one JSON schema (STRUCTURED_SCHEMA),
 nano-vllm only; its output tok/s against plain W1's from the same run is the constraint's cost.
-W2 (latency): one 128-token random prompt (seed 1), 128 greedy output tokens; reports the time
-to first token and the decode rate of the tokens after it.
+W2 (latency): one 128-token random prompt (seed 1), 128 greedy output tokens (`--input-len`,
+`--output-len`, as vLLM's latency benchmark); reports the time to first token, the prompt's tokens
+over it (a prompt-processing rate, llama-bench's pp512 at `--input-len 512`), and the decode rate
+of the tokens after it.
 
 Both engines run the same token ids in one process, one after the other, so their ratio means
 something even on a noisy machine (absolute figures from different runs hardly do). Each
@@ -43,7 +45,7 @@ from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
 from nanovllm.loader.default_model import DEFAULT_MODEL_ALIAS
 
 W1_NUM_REQUESTS = 64
-W2_PROMPT_LEN = W2_OUTPUT_LEN = 128
+W2_INPUT_LEN = W2_OUTPUT_LEN = 128  # the defaults of --input-len and --output-len
 W2_REPEATS = 5
 PLOT_CONCURRENCY = (1, 4, 16, 64)
 BANDWIDTH_BUFFER_BYTES = 1 << 30  # far past the caches, so the sum reads memory
@@ -89,9 +91,9 @@ def throughput_workload() -> Workload:
     return Workload(prompts, max_tokens, 0.6)
 
 
-def latency_prompt() -> list[int]:
+def latency_prompt(length: int = W2_INPUT_LEN) -> list[int]:
     rng = random.Random(1)
-    return [rng.randint(0, 10000) for _ in range(W2_PROMPT_LEN)]
+    return [rng.randint(0, 10000) for _ in range(length)]
 
 
 @dataclass
@@ -105,6 +107,11 @@ class Throughput:
 class Latency:
     ttft_s: float
     decode_tok_s: float
+    input_len: int = W2_INPUT_LEN
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.input_len / self.ttft_s
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -183,15 +190,15 @@ def load_transformers_model(model: str | None, dtype: torch.dtype):
     return hf.eval()
 
 
-def llama_cpp_runner(engine: str, model_path: str):
+def llama_cpp_runner(engine: str, model_path: str, w2_tokens: int = W2_INPUT_LEN + W2_OUTPUT_LEN):
     """llama.cpp (bench_llama_cpp) or ik_llama.cpp (bench_ik_llama_cpp) on the same GGUF file,
-    threads and workloads."""
+    threads and workloads (W2's request of w2_tokens in all)."""
     from nanovllm.entrypoints.bench_ik_llama_cpp import IkLlamaCppRunner
     from nanovllm.entrypoints.bench_llama_cpp import LlamaCppRunner
     if not model_path.endswith(".gguf"):
         raise SystemExit(f"error: --compare {engine} runs GGUF files; {model_path} is not one")
     w1 = throughput_workload()
-    longest = max([len(p) + n for p, n in zip(w1.prompts, w1.max_tokens)] + [W2_PROMPT_LEN + W2_OUTPUT_LEN])
+    longest = max([len(p) + n for p, n in zip(w1.prompts, w1.max_tokens)] + [w2_tokens])
     runner = IkLlamaCppRunner if engine == "ik_llama.cpp" else LlamaCppRunner
     return runner(model_path, torch.get_num_threads(), len(w1.prompts), -(-longest // 256) * 256)
 
@@ -206,15 +213,14 @@ def run_throughput(runner, workload: Workload) -> Throughput:
                       (workload.prompt_tokens + workload.output_tokens) / seconds)
 
 
-def run_latency(runner) -> Latency:
-    """TTFT: a one-token request. Decode rate: the 127 tokens after the first, from the time of
-    a full request less the TTFT. Medians of W2_REPEATS after one warm-up."""
-    prompt = latency_prompt()
+def run_latency(runner, input_len: int = W2_INPUT_LEN, output_len: int = W2_OUTPUT_LEN) -> Latency:
+    """TTFT: a one-token request. Decode rate: the output_len - 1 tokens after the first, from the
+    time of a full request less the TTFT. Medians of W2_REPEATS after one warm-up."""
+    prompt = latency_prompt(input_len)
     runner.generate([prompt], [1], 0.0)
     first = statistics.median(_timed(lambda: runner.generate([prompt], [1], 0.0)) for _ in range(W2_REPEATS))
-    full = statistics.median(_timed(lambda: runner.generate([prompt], [W2_OUTPUT_LEN], 0.0))
-                             for _ in range(W2_REPEATS))
-    return Latency(first, (W2_OUTPUT_LEN - 1) / max(full - first, 1e-9))
+    full = statistics.median(_timed(lambda: runner.generate([prompt], [output_len], 0.0)) for _ in range(W2_REPEATS))
+    return Latency(first, (output_len - 1) / max(full - first, 1e-9), input_len)
 
 
 def machine_summary() -> str:
@@ -280,19 +286,21 @@ def print_structured(plain: Throughput, structured: Throughput, workload: Worklo
     _print_throughputs({"W1": plain, "W1-JSON": structured}, {"W1-JSON / W1": (structured, plain)})
 
 
-def print_latency(results: dict[str, Latency], bound_tok_s: float | None = None) -> None:
+def print_latency(results: dict[str, Latency], bound_tok_s: float | None = None, input_len: int = W2_INPUT_LEN,
+                  output_len: int = W2_OUTPUT_LEN) -> None:
     """The W2 table; with `bound_tok_s`, each decode rate's share of it too."""
-    print(f"\nW2 latency: 1 request, {W2_PROMPT_LEN} prompt tokens, {W2_OUTPUT_LEN} greedy output tokens "
+    print(f"\nW2 latency: 1 request, {input_len} prompt tokens, {output_len} greedy output tokens "
           f"(median of {W2_REPEATS})")
-    columns = [("TTFT s", 9), ("decode tok/s", 15)]
-    rows = {name: [f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.1f}"] for name, r in results.items()}
+    columns = [("TTFT s", 9), ("prompt tok/s", 14), ("decode tok/s", 15)]
+    rows = {name: [f"{r.ttft_s:.3f}", f"{r.prompt_tok_s:.1f}", f"{r.decode_tok_s:.1f}"] for name, r in results.items()}
     if bound_tok_s:
         columns.append(("of bound", 10))
         for name, r in results.items():
             rows[name].append(f"{r.decode_tok_s / bound_tok_s:.0%}")
     (_, nano), *others = results.items()
     for name, other in others:  # speed-ups: the other's TTFT over ours, our decode rate over theirs
-        rows[f"vs {name}"] = [_ratio(other.ttft_s, nano.ttft_s), _ratio(nano.decode_tok_s, other.decode_tok_s)]
+        rows[f"vs {name}"] = [_ratio(other.ttft_s, nano.ttft_s), _ratio(nano.prompt_tok_s, other.prompt_tok_s),
+                              _ratio(nano.decode_tok_s, other.decode_tok_s)]
     _print_table(columns, rows)
     if bound_tok_s:
         above = any(r.decode_tok_s > bound_tok_s for r in results.values())
@@ -337,6 +345,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of --model, a random-weight twin of a real model, written once to the user "
                              "cache (TYPEs other than F16 quantized by llama-cpp-python); shapes: "
                              f"{', '.join(SHAPES)}; types: {', '.join(TYPES)}")
+    parser.add_argument("--input-len", type=int, default=W2_INPUT_LEN, metavar="N",
+                        help="W2's prompt tokens (default: %(default)s; 512 gives llama-bench's pp512)")
+    parser.add_argument("--output-len", type=int, default=W2_OUTPUT_LEN, metavar="N",
+                        help="W2's greedy output tokens (default: %(default)s)")
     parser.add_argument("--contention", action="store_true",
                         help="run the workloads beside a busy neighbour: llama.cpp decoding the same GGUF file "
                              "on as many threads, in another process (needs llama-cpp-python)")
@@ -346,6 +358,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.input_len < 1 or args.output_len < 2:
+        raise SystemExit(f"error: --input-len must be at least 1 and --output-len at least 2 (a decode rate needs "
+                         f"a token after the first); got {args.input_len} and {args.output_len}")
     if args.twin:
         if args.model != DEFAULT_MODEL_ALIAS:
             raise SystemExit("error: --twin runs its own file instead of --model; give one of them")
@@ -361,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
         runners.append(TransformersRunner(args.model, nano.llm.llm_engine.config.torch_dtype))
     for engine in ("llama.cpp", "ik_llama.cpp"):
         if engine in args.compare:
-            runners.append(llama_cpp_runner(engine, model_path))
+            runners.append(llama_cpp_runner(engine, model_path, args.input_len + args.output_len))
     bandwidth = read_bandwidth_gbs()  # before the neighbour starts: the machine's own figure
     print(f"{machine_summary()}, read bandwidth {bandwidth:.1f} GB/s")
     for runner in runners:
@@ -387,7 +402,8 @@ def run_workloads(args: argparse.Namespace, runners: list, bound_tok_s: float | 
         structured = dataclasses.replace(workload, schema=STRUCTURED_SCHEMA)
         print_structured(plain, run_throughput(nano, structured), structured)
     if args.workload in ("all", "w2"):
-        print_latency({r.name: run_latency(r) for r in runners}, bound_tok_s)
+        print_latency({r.name: run_latency(r, args.input_len, args.output_len) for r in runners}, bound_tok_s,
+                      args.input_len, args.output_len)
     if args.plot:
         print("\nconcurrency sweep")
         plot_concurrency(runners, workload, args.plot)
