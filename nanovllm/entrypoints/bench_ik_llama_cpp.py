@@ -8,7 +8,8 @@ ik_llama.cpp's run-time repack on: at load, the weights are repacked into its in
 for the CPU kernels (`-rtr` in its tools). Its API is llama.cpp's older one: the KV cache is
 cleared by `llama_kv_cache_clear`, greedy tokens are the logits' argmax and sampled ones are
 drawn by its `llama_sample_temp` and `llama_sample_token` (seeded by the context's seed). Its
-flash attention is left off on CPUs without AVX-VNNI, where its kernels assert on longer prompts.
+flash attention is left off: in the PyPI wheel its kernels assert (`S > 0`) on W1's batches, seen
+on a Zen 3 (AVX2) and on a Sapphire Rapids (AVX-512 VNNI) alike.
 """
 
 import contextlib
@@ -22,15 +23,6 @@ from nanovllm.entrypoints.bench_llama_cpp import STEP_TOKENS, LlamaCppRunner
 
 
 _LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-
-
-def _cpu_has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx_vnni" in flags or "avx512_vnni" in flags
 
 
 class IkLlamaCppRunner(LlamaCppRunner):
@@ -61,7 +53,7 @@ class IkLlamaCppRunner(LlamaCppRunner):
         params.n_batch = STEP_TOKENS
         params.n_seq_max = max_sequences
         params.n_threads = params.n_threads_batch = threads
-        params.flash_attn = _cpu_has_vnni()
+        params.flash_attn = False
         self.ctx = lib.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise SystemExit(f"error: ik_llama.cpp could not make a context of {max_sequences} x "
