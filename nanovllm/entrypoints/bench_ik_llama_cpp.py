@@ -6,7 +6,7 @@ The same GGUF file, thread count and workloads as the llama.cpp runner (bench_ll
 by the same loop (a sequence id a request, batches of up to 2,048 tokens, decodes first), with
 ik_llama.cpp's run-time repack on: at load, the weights are repacked into its interleaved rows
 for the CPU kernels (`-rtr` in its tools). Its API is llama.cpp's older one: the KV cache is
-cleared by `llama_kv_cache_clear`, greedy tokens are the logits' argmax and sampled ones are
+emptied by `llama_kv_cache_seq_rm`, greedy tokens are the logits' argmax and sampled ones are
 drawn by its `llama_sample_temp` and `llama_sample_token` (seeded by the context's seed). Its
 flash attention is left off: in the PyPI wheel its kernels assert (`S > 0`) on W1's batches, seen
 on a Zen 3 (AVX2) and on a Sapphire Rapids (AVX-512 VNNI) alike.
@@ -40,6 +40,9 @@ class IkLlamaCppRunner(LlamaCppRunner):
         # the binding declares no llama_log_set, the library has it. The callback is kept: C holds it.
         self._quiet_log = _LOG_CALLBACK(lambda level, text, data: None)
         lib._lib.llama_log_set(self._quiet_log, ctypes.c_void_p())
+        self._remove_cells = lib._lib.llama_kv_cache_seq_rm
+        self._remove_cells.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+        self._remove_cells.restype = ctypes.c_bool
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
         model_params.repack_tensors = True
@@ -69,7 +72,9 @@ class IkLlamaCppRunner(LlamaCppRunner):
         self.lib.llama_free_model(self.model)
 
     def _clear_cache(self) -> None:
-        self.lib.llama_kv_cache_clear(self.ctx)
+        # Every sequence's cells removed; llama_kv_cache_clear would also zero the whole W1-sized
+        # cache, a TTFT's worth of time. The binding declares no llama_kv_cache_seq_rm, the library has it.
+        self._remove_cells(self.ctx, -1, -1, -1)
 
     def _logits(self, row: int) -> np.ndarray:
         return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row), shape=(self.vocab,))

@@ -62,6 +62,9 @@ class LlamaCppRunner:
         params.n_batch = STEP_TOKENS
         params.n_seq_max = max_sequences
         params.kv_unified = False
+        # Flash attention off, as llama-cpp-python's own Llama: its automatic choice over per-sequence
+        # KV streams decoded at 17.7 instead of 30.6 tok/s on Qwen3-0.6B (benchmarks/RESULTS.md, 2026-12-04).
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(self.model, params)
         if not self.ctx:
@@ -78,7 +81,9 @@ class LlamaCppRunner:
         self.lib.llama_model_free(self.model)
 
     def _clear_cache(self) -> None:
-        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        # The cells only: zeroing the buffers too (data=True) writes the whole W1-sized cache, a
+        # TTFT's worth of time (~0.5 s) that llama.cpp's server never spends between requests.
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), False)
 
     @contextlib.contextmanager
     def _sampling(self, temperature: float, seed: int = 0) -> Iterator:
