@@ -62,8 +62,7 @@ class LlamaCppRunner:
         params.n_batch = STEP_TOKENS
         params.n_seq_max = max_sequences
         params.kv_unified = False
-        # Flash attention off, as llama-cpp-python's own Llama: its automatic choice over per-sequence
-        # KV streams decoded at 17.7 instead of 30.6 tok/s on Qwen3-0.6B (benchmarks/RESULTS.md, 2026-12-04).
+        # Flash attention off, as llama-cpp-python's own Llama has it (and as ik_llama.cpp runs here).
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(self.model, params)
