@@ -277,7 +277,7 @@ def test_the_w2_table_gives_each_decode_rate_share_of_the_bound(tmp_path, capsys
 
 def test_the_contention_neighbour_runs_and_is_gone_after(twin_cache):
     pytest.importorskip("llama_cpp")
-    # F16: llama-cpp-python 0.3.36 built natively on a Sapphire Rapids VM crashed on every quantized
+    # F16: llama-cpp-python 0.3.36 built natively on an Intel Xeon (AMX) VM crashed on every quantized
     # file (its AMX path), which would be llama.cpp's failure, not the neighbour's.
     path = bench_twins.build_twin(bench_twins.parse_twin("tiny-llama:F16"))
     with pytest.raises(RuntimeError, match="the run failed"):

@@ -9,7 +9,7 @@ for the CPU kernels (`-rtr` in its tools). Its API is llama.cpp's older one: the
 emptied by `llama_kv_cache_seq_rm`, greedy tokens are the logits' argmax and sampled ones are
 drawn by its `llama_sample_temp` and `llama_sample_token` (seeded by the context's seed). Its
 flash attention is left off: in the PyPI wheel its kernels assert (`S > 0`) on W1's batches, seen
-on a Zen 3 (AVX2) and on a Sapphire Rapids (AVX-512 VNNI) alike.
+on an AMD EPYC Zen 3 (AVX2) and an Intel Xeon with AVX-512 VNNI and AMX alike.
 """
 
 import contextlib
@@ -40,7 +40,7 @@ class IkLlamaCppRunner(LlamaCppRunner):
         # the binding declares no llama_log_set, the library has it. The callback is kept: C holds it.
         self._quiet_log = _LOG_CALLBACK(lambda level, text, data: None)
         lib._lib.llama_log_set(self._quiet_log, ctypes.c_void_p())
-        self._remove_cells = lib._lib.llama_kv_cache_seq_rm
+        self._remove_cells = lib._lib.llama_kv_cache_seq_rm  # in the library, not declared by the binding
         self._remove_cells.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
         self._remove_cells.restype = ctypes.c_bool
         lib.llama_backend_init()
@@ -72,8 +72,8 @@ class IkLlamaCppRunner(LlamaCppRunner):
         self.lib.llama_free_model(self.model)
 
     def _clear_cache(self) -> None:
-        # Every sequence's cells removed; llama_kv_cache_clear would also zero the whole W1-sized
-        # cache, a TTFT's worth of time. The binding declares no llama_kv_cache_seq_rm, the library has it.
+        # Every sequence's cells removed, as the llama.cpp runner's clear: llama_kv_cache_clear would
+        # also zero the whole W1-sized cache inside every timed request.
         self._remove_cells(self.ctx, -1, -1, -1)
 
     def _logits(self, row: int) -> np.ndarray:

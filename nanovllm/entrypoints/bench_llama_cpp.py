@@ -80,8 +80,8 @@ class LlamaCppRunner:
         self.lib.llama_model_free(self.model)
 
     def _clear_cache(self) -> None:
-        # The cells only: zeroing the buffers too (data=True) writes the whole W1-sized cache, a
-        # TTFT's worth of time (~0.5 s) that llama.cpp's server never spends between requests.
+        # The cells only: zeroing the buffers too (data=True) writes the whole W1-sized cache inside
+        # every timed request, which llama.cpp's server never does between requests (RESULTS.md).
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), False)
 
     @contextlib.contextmanager

@@ -89,7 +89,11 @@ def compare(reference: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) 
     }
 
 
-def llama_cpp_logits(model_path: str, threads: int, window: int) -> Callable[[list[int]], torch.Tensor]:
+# prompt -> log-softmax rows [len(prompt) - 1, vocab], as prompt_logits gives them
+Logits = Callable[[list[int]], torch.Tensor]
+
+
+def llama_cpp_logits(model_path: str, threads: int, window: int) -> Logits:
     """prompt_logits's counterpart for llama.cpp running the GGUF file at model_path."""
     from nanovllm.entrypoints.bench_llama_cpp import import_llama_cpp
 
@@ -105,11 +109,9 @@ def llama_cpp_logits(model_path: str, threads: int, window: int) -> Callable[[li
     return logits
 
 
-Logits = Callable[[list[int]], torch.Tensor]
-
 
 def evaluate(reference: Logits, tests: dict[str, Logits], tokens: list[int], window: int) -> dict[str, Divergence]:
-    """Each of `tests` (by name) against `reference`: prompt -> log-softmax rows, as prompt_logits."""
+    """Each of `tests` (by name) against `reference`, on the same windows."""
     parts = {name: [] for name in tests}
     for start in range(0, len(tokens) - window + 1, window):
         prompt = tokens[start:start + window]
