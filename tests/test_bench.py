@@ -103,6 +103,35 @@ def test_ik_llama_cpp_runs_the_workloads_loop(twin_cache):
     assert [t for _, t, _ in drawn[:12]] == [t for _, t, _ in drawn[24:]]  # a cleared cache: the same greedy run
 
 
+@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
+def test_a_comparison_engine_runs_in_its_own_process_as_its_users_run_it(twin_cache, monkeypatch, user_policy):
+    """No torch in its process and the user's OpenMP policy, not the one nano-vllm sets for torch;
+    it runs requests, reports a failed one and keeps serving, and is reaped at close."""
+    pytest.importorskip("llama_cpp")
+    import nanovllm
+    from nanovllm.entrypoints.bench_engine_process import EngineProcess
+    monkeypatch.setattr(nanovllm, "_USER_OMP_WAIT_POLICY", user_policy)
+    path = bench_twins.build_twin(bench_twins.parse_twin("tiny-llama:F16"))  # F16: see the neighbour's test
+    engine = EngineProcess("llama.cpp", path, 1, 2, 256)
+    try:
+        assert (engine.openmp_wait_policy, engine.torch_loaded) == (user_policy, False)
+        assert engine.dtype == "the file's types" and engine.startup_s > 0
+        engine.generate([[1, 2, 3], [4, 5]], [3, 2], 0.6)
+        with pytest.raises(RuntimeError, match="llama.cpp failed in its process"):
+            engine.generate([list(range(1, 300))], [2], 0.0)  # past its 256-token sequence
+        engine.generate([[7, 8]], [4], 0.0)
+    finally:
+        engine.close()
+    assert engine.process.returncode == 0
+
+
+def test_an_engine_that_cannot_start_says_why(twin_cache):
+    pytest.importorskip("llama_cpp")
+    from nanovllm.entrypoints.bench_engine_process import EngineProcess
+    with pytest.raises(SystemExit, match="llama.cpp could not load .*absent.gguf"):
+        EngineProcess("llama.cpp", str(twin_cache / "absent.gguf"), 1, 2, 256)
+
+
 def test_bench_structured_w1_against_plain(tiny_checkpoint, small_workloads, capsys):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -10,8 +10,9 @@ W2 (latency): one 128-token random prompt (seed 1), 128 greedy output tokens (`-
 over it (a prompt-processing rate, llama-bench's pp512 at `--input-len 512`), and the decode rate
 of the tokens after it.
 
-Both engines run the same token ids in one process, one after the other, so their ratio means
-something even on a noisy machine (absolute figures from different runs hardly do). Each
+Every engine runs the same token ids in one run, one after the other, so their ratio means
+something even on a noisy machine (absolute figures from different runs hardly do); llama.cpp and
+ik_llama.cpp each run in a process of their own (bench_engine_process), as their users run them. Each
 workload gets one untimed warm-up. The engine runs without prefix caching by default: warm-up
 and repeats reuse prompts, and a cache hit would time the cache, not the model. Transformers
 runs W1 the way its users batch: one left-padded `generate` over all concurrent requests,
@@ -39,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.entrypoints.bench_llama_cpp import busy_neighbour, import_llama_cpp
+from nanovllm.entrypoints.bench_engine_process import EngineProcess
+from nanovllm.entrypoints.bench_llama_cpp import busy_neighbour, require_llama_cpp
 from nanovllm.entrypoints.bench_twins import SHAPES, TYPES, build_twin, parse_twin
 from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
 from nanovllm.loader.default_model import DEFAULT_MODEL_ALIAS
@@ -190,17 +192,14 @@ def load_transformers_model(model: str | None, dtype: torch.dtype):
     return hf.eval()
 
 
-def llama_cpp_runner(engine: str, model_path: str, w2_tokens: int = W2_INPUT_LEN + W2_OUTPUT_LEN):
+def llama_cpp_runner(engine: str, model_path: str, w2_tokens: int = W2_INPUT_LEN + W2_OUTPUT_LEN) -> EngineProcess:
     """llama.cpp (bench_llama_cpp) or ik_llama.cpp (bench_ik_llama_cpp) on the same GGUF file,
-    threads and workloads (W2's request of w2_tokens in all)."""
-    from nanovllm.entrypoints.bench_ik_llama_cpp import IkLlamaCppRunner
-    from nanovllm.entrypoints.bench_llama_cpp import LlamaCppRunner
+    threads and workloads (W2's request of w2_tokens in all), in a process of its own."""
     if not model_path.endswith(".gguf"):
         raise SystemExit(f"error: --compare {engine} runs GGUF files; {model_path} is not one")
     w1 = throughput_workload()
     longest = max([len(p) + n for p, n in zip(w1.prompts, w1.max_tokens)] + [w2_tokens])
-    runner = IkLlamaCppRunner if engine == "ik_llama.cpp" else LlamaCppRunner
-    return runner(model_path, torch.get_num_threads(), len(w1.prompts), -(-longest // 256) * 256)
+    return EngineProcess(engine, model_path, torch.get_num_threads(), len(w1.prompts), -(-longest // 256) * 256)
 
 
 def run_throughput(runner, workload: Workload) -> Throughput:
@@ -366,7 +365,7 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit("error: --twin runs its own file instead of --model; give one of them")
         args.model = build_twin(args.twin)
     if args.contention:
-        import_llama_cpp("--contention")  # before minutes of start-up, not after
+        require_llama_cpp("--contention")  # before minutes of start-up, not after
     nano = NanoRunner(engine_kwargs(args))
     model_path = nano.llm.llm_engine.config.model_path
     if args.contention and not model_path.endswith(".gguf"):
@@ -374,17 +373,20 @@ def main(args: argparse.Namespace) -> int:
     runners = [nano]
     if "transformers" in args.compare:
         runners.append(TransformersRunner(args.model, nano.llm.llm_engine.config.torch_dtype))
-    for engine in ("llama.cpp", "ik_llama.cpp"):
-        if engine in args.compare:
-            runners.append(llama_cpp_runner(engine, model_path, args.input_len + args.output_len))
-    bandwidth = read_bandwidth_gbs()  # before the neighbour starts: the machine's own figure
-    print(f"{machine_summary()}, read bandwidth {bandwidth:.1f} GB/s")
-    for runner in runners:
-        compiled = f", of which compile {runner.compile_s:.1f} s" if runner.compile_s else ""
-        print(f"{runner.name}: {runner.dtype}, start-up {runner.startup_s:.1f} s{compiled}")
-    with contextlib.ExitStack() as neighbour:
+    with contextlib.ExitStack() as stack:
+        for engine in ("llama.cpp", "ik_llama.cpp"):
+            if engine in args.compare:
+                runners.append(llama_cpp_runner(engine, model_path, args.input_len + args.output_len))
+                stack.callback(runners[-1].close)
+        bandwidth = read_bandwidth_gbs()  # before the neighbour starts: the machine's own figure
+        print(f"{machine_summary()}, read bandwidth {bandwidth:.1f} GB/s")
+        for runner in runners:
+            compiled = f", of which compile {runner.compile_s:.1f} s" if runner.compile_s else ""
+            own = (f", in its own process (OpenMP wait policy: {runner.openmp_wait_policy or 'its default'})"
+                   if isinstance(runner, EngineProcess) else "")
+            print(f"{runner.name}: {runner.dtype}, start-up {runner.startup_s:.1f} s{compiled}{own}")
         if args.contention:
-            pid = neighbour.enter_context(busy_neighbour(model_path, torch.get_num_threads()))
+            pid = stack.enter_context(busy_neighbour(model_path, torch.get_num_threads()))
             print(f"contention: llama.cpp decoding {os.path.basename(model_path)} on {torch.get_num_threads()} "
                   f"threads beside the engines (pid {pid})")
         run_workloads(args, runners, decode_bound_tok_s(model_path, bandwidth))

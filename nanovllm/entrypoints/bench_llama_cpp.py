@@ -11,13 +11,15 @@ sampled. Tokens are sampled by llama.cpp's own sampler chain (temperature then a
 greedy), so no numpy runs over the vocabulary. This is how llama.cpp's own batched server and
 `llama-batched-bench` drive it; the high-level `Llama` object runs one sequence at a time.
 
-`--contention` runs a busy neighbour beside the measured engines: another process, llama.cpp's
-high-level `Llama` on the same file and thread count, decoding without pause (`python -m
+The bench runs this runner in a process of its own (bench_engine_process). `--contention` runs a
+busy neighbour beside the measured engines: another such process, llama.cpp's high-level `Llama`
+on the same file and thread count, decoding without pause (`python -m
 nanovllm.entrypoints.bench_llama_cpp FILE THREADS` is that process).
 """
 
 import contextlib
 import ctypes
+import importlib.util
 import itertools
 import os
 import subprocess
@@ -31,15 +33,20 @@ NEIGHBOUR_TOKENS = 128  # a round's output; then the prompt again, so the contex
 _quiet_log = None  # llama.cpp's log callback while the bench runs, kept here: C holds its pointer
 
 
+def require_llama_cpp(needed_by: str) -> None:
+    """A clear error that `needed_by` (a flag) needs llama-cpp-python, if it is not installed;
+    nothing is loaded (the engine itself runs in another process)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit(f"error: {needed_by} needs llama-cpp-python: pip install llama-cpp-python "
+                         "(pip builds it from source, several minutes)")
+
+
 def import_llama_cpp(needed_by: str):
     """llama-cpp-python's module with its log silenced (it prints every load step and tensor),
     or a clear error that `needed_by` (a flag) needs it."""
     global _quiet_log
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise SystemExit(f"error: {needed_by} needs llama-cpp-python: pip install llama-cpp-python "
-                         "(pip builds it from source, several minutes)") from e
+    require_llama_cpp(needed_by)
+    import llama_cpp
     if _quiet_log is None:
         _quiet_log = llama_cpp.llama_log_callback(lambda level, text, data: None)
     llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p())
@@ -146,10 +153,11 @@ class LlamaCppRunner:
 def busy_neighbour(gguf_path: str, threads: int) -> Iterator[int]:
     """The neighbour process (its pid), decoding from its first yield until the block ends,
     however it ends."""
-    import_llama_cpp("--contention")  # here, not in the child, for the clear error
+    from nanovllm import user_environment
+    require_llama_cpp("--contention")  # here, not in the child, for the clear error
     # stdout carries the one "ready" line; stderr is the user's, for a failure's own words.
     process = subprocess.Popen([sys.executable, "-m", __name__, gguf_path, str(threads)],
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, text=True, env=user_environment())
     try:
         if process.stdout.readline().strip() != "ready":
             raise SystemExit(f"error: the --contention neighbour could not run llama.cpp on {gguf_path}")
@@ -165,6 +173,8 @@ def busy_neighbour(gguf_path: str, threads: int) -> Iterator[int]:
 
 
 def run_neighbour(gguf_path: str, threads: int) -> None:
+    from nanovllm.entrypoints.bench_engine_process import run_as_users_run_it
+    run_as_users_run_it()  # a neighbour as llama.cpp's users run it: their OpenMP policy, no torch
     llama_cpp = import_llama_cpp("--contention")
     parent = os.getppid()
     llm = llama_cpp.Llama(gguf_path, n_threads=threads, n_threads_batch=threads,
