@@ -126,5 +126,8 @@ class EngineProcess:
 if __name__ == "__main__":
     engine, path, *numbers = sys.argv[1:]
     threads, max_sequences, tokens_per_sequence, requests_fd, replies_fd = map(int, numbers)
-    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
-        serve(engine, path, threads, max_sequences, tokens_per_sequence, requests, replies)
+    try:
+        with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
+            serve(engine, path, threads, max_sequences, tokens_per_sequence, requests, replies)
+    except BrokenPipeError:  # the bench ended (killed, say) while we ran its request
+        sys.exit(1)
