@@ -1,10 +1,11 @@
 """The compiled CPU kernels (cpu/, a .cpp file per op family): built on first use for one
 instruction set, with their Python faces.
 
-Variants (cpu/simd.h): `avx512` (AVX512F/BW/VL with AVX512-BF16 and VNNI), `avx2` (AVX2 + FMA + F16C) and
+Variants (cpu/simd.h): `amx` (`avx512` with AMX-TILE and AMX-INT8: the quantized kernels' many-row
+path on tiles), `avx512` (AVX512F/BW/VL with AVX512-BF16 and VNNI), `avx2` (AVX2 + FMA + F16C) and
 `none` (plain C++). The best one this CPU executes is built, or the one NANOVLLM_CPU_ISA names,
 so that a machine tests every variant it can run; asking for one it cannot run is an error.
-The engine switches onto the kernels (linear, norm, SiLU, sampling) only on `avx512` and `avx2`
+The engine switches onto the kernels (linear, norm, SiLU, sampling) only on `amx`, `avx512` and `avx2`
 (`has_simd_kernels()`); `none` keeps plain PyTorch except the paged attention, whose portable
 path is the only one over the CPU cache layout.
 
@@ -58,10 +59,12 @@ _BUILD_VERSION = b"3"  # bump when the build flags change
 ISA_ENV = "NANOVLLM_CPU_ISA"
 # Each variant: the /proc/cpuinfo flags a CPU needs to run it, and the compiler flags that
 # build it (x86 only: elsewhere only `none` exists). Best first.
+_AVX512 = (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"),
+           ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
+            "-mf16c"])
 ISAS = {
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mavx2",
-                "-mfma", "-mf16c"]),
+    "amx": ((*_AVX512[0], "amx_tile", "amx_int8"), [*_AVX512[1], "-mamx-tile", "-mamx-int8"]),
+    "avx512": _AVX512,
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
     "none": ((), []),
 }
@@ -183,7 +186,7 @@ def _register_fakes() -> None:
 @functools.cache
 def has_simd_kernels() -> bool:
     """Whether the engine switches onto the kernels here (the packed linear, the sampler and the
-    elementwise ops): an `avx512` or `avx2` build."""
+    elementwise ops): an `amx`, `avx512` or `avx2` build."""
     return available() and isa() != "none"
 
 
@@ -193,7 +196,7 @@ def packed_max_rows() -> int:
     oneDNN's GEMM to about 100 rows, with AMX tiles oneDNN's GEMM is several times faster than
     any AVX-512 kernel once there are rows enough to fill them, and on AVX2 oneDNN's fp32 GEMM,
     which reads twice the bytes, catches up at 32-64 rows (measurements in benchmarks/RESULTS.md)."""
-    if isa() == "avx512":
+    if isa() in ("amx", "avx512"):
         return 16 if "amx_bf16" in _cpu_flags() else 96
     return 32
 

@@ -20,9 +20,15 @@
 
 #include <ATen/ops/empty.h>
 
+#if defined(NANOVLLM_SIMD_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -1004,6 +1010,194 @@ constexpr auto make_tiles_table(std::integer_sequence<int, Ps...>) {
   return std::array<Fn, sizeof...(Ps)>{&lanes_tile_into<F, Ps + 1, T>...};
 }
 
+#if defined(NANOVLLM_SIMD_AMX)
+// ---- Many rows on AMX tiles (the `amx` variant) -------------------------------------------
+// The same sums as RowSums, bit for bit, with the integer part on tiles: a chunk's 32 values of
+// 16 weight rows (tile A, a byte each) against the same chunk of 16 rows of x (tiles B), one
+// TDPB*D giving 16 x 16 chunk sums. AMX multiplies bytes, and x has 16 bits a value, so x goes
+// in as two tiles, its high bytes (signed) and its low bytes (unsigned): x = 256 hi + lo, and a
+// chunk's sum is 256 (w . hi) + w . lo, exact in int32 as the AVX sums are. Each sum then meets
+// the weight's and x's chunk scales in the lane of its chunk modulo 8, as RowSums::add_group
+// leaves it, and the totals go through reduce_add8's tree: the same operations in the same
+// order on the same values, only vectorised over sixteen x rows instead of eight chunks. The
+// weights' decoded words fit a byte (signed for Q8_0 and Q6_K, whose values are centred;
+// unsigned for the rest, whose offsets carry their zero points), so they are exact as bytes.
+
+// Linux grants the tile registers' state to a process only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+template <class F>
+constexpr bool kSignedValues = F::kType == Lanes<Q8_0>::kType || F::kType == Q6_KLanes::kType;
+
+// A group's chunk l (of 8) in order, from 256 words in the lanes layout (value j of chunk l in
+// vector j / 2, word 2l + j % 2): dword v of the result is the group's dword 8v + l.
+inline __m512i chunk_words(const int16_t* group, int l) {
+  const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                                                              4, 3, 2, 1, 0), _mm512_set1_epi32(8)),
+                                         _mm512_set1_epi32(l));
+  return _mm512_i32gather_epi32(index, group, 4);
+}
+
+// x's rows as the B tiles take them: for each tile of 16 rows and each chunk, eight rows of 64
+// bytes, row kk holding values 4kk to 4kk + 3 of each of the 16 x rows (TDPB*D's layout), once
+// for the high bytes and once for the low; and the chunks' scales and sums by x row. Rows past M
+// are zeros.
+struct AmxX {
+  int64_t tiles, chunks;
+  std::vector<uint8_t> hi, lo;      // [tile][chunk][8][16 x 4]
+  std::vector<float> scale, sum;    // [tile][chunk][16]
+
+  AmxX(const QuantizedRows& x, int64_t M)
+      : tiles((M + 15) / 16), chunks(x.chunks), hi(tiles * chunks * 512), lo(tiles * chunks * 512),
+        scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
+    const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32(16));
+    parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m++) {
+        const int64_t t = m / 16, i = m % 16;
+        for (int64_t c = 0; c < chunks; c++) {
+          const __m512i words = chunk_words(x.values(m, c / 8 * 8), int(c % 8));
+          const int64_t at = (t * chunks + c) * 512 + 4 * i;
+          _mm256_i32scatter_epi32(hi.data() + at, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
+          _mm256_i32scatter_epi32(lo.data() + at, rows, _mm512_cvtepi16_epi8(words), 4);
+          scale[(t * chunks + c) * 16 + i] = x.scale[m * chunks + c];
+          sum[(t * chunks + c) * 16 + i] = x.sum[m * chunks + c];
+        }
+      }
+    });
+  }
+};
+
+// A block's decoded rows (DecodedRows) as the A tiles take them: for each tile of 16 rows and
+// each chunk, 16 rows of the chunk's 32 values a byte each; the chunks' scales (kHalves per
+// chunk) and offsets by row. Rows past the block's are zeros.
+struct AmxRows {
+  int64_t tiles, chunks, halves;
+  std::vector<int8_t> values;       // [tile][chunk][16][32]
+  std::vector<float> scales;        // [tile][chunk][half][16]
+  std::vector<float> offsets;       // [tile][chunk][16]
+
+  AmxRows(int64_t rows, int64_t K)
+      : tiles((rows + 15) / 16), chunks(K / 32), halves(2), values(tiles * chunks * 512),
+        scales(tiles * chunks * 32), offsets(tiles * chunks * 16) {}
+
+  template <class F>
+  void convert(const DecodedRows<F>& w, int64_t rows) {
+    constexpr int kHalves = DecodedRows<F>::kHalves;
+    std::fill(values.begin(), values.end(), 0);
+    std::fill(scales.begin(), scales.end(), 0.0f);
+    std::fill(offsets.begin(), offsets.end(), 0.0f);
+    for (int64_t r = 0; r < rows; r++) {
+      const int64_t t = r / 16, i = r % 16;
+      for (int64_t g = 0; g < w.groups; g++) {
+        const float* s = w.scales_of(r, g);
+        for (int l = 0; l < 8; l++) {
+          const int64_t c = 8 * g + l;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(values.data() + ((t * chunks + c) * 16 + i) * 32),
+                              _mm512_cvtepi16_epi8(chunk_words(w.vectors(r, g), l)));
+          for (int h = 0; h < kHalves; h++) scales[((t * chunks + c) * 2 + h) * 16 + i] = s[8 * h + l];
+          offsets[(t * chunks + c) * 16 + i] = s[8 * kHalves + l];
+        }
+      }
+    }
+  }
+};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 1: the sums of the high and low bytes (16 x 16 int32); 2: the weights (16 rows of
+// a chunk, or of a half chunk where kHalves is 2); 3 and 4: x's high and low bytes.
+template <int kHalves>
+void load_tile_config() {
+  TileConfig config;
+  config.rows[0] = config.rows[1] = config.rows[2] = 16;
+  config.colsb[0] = config.colsb[1] = 64;
+  config.colsb[2] = 32 / kHalves;
+  config.rows[3] = config.rows[4] = 8 / kHalves;
+  config.colsb[3] = config.colsb[4] = 64;
+  _tile_loadconfig(&config);
+}
+
+// out[r][m] = row 16 nt + r of w . x row 16 mt + m: the tile of 16 by 16 outputs.
+template <class F>
+void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&out)[16][16]) {
+  constexpr int kHalves = DecodedRows<F>::kHalves;
+  const int64_t C = w.chunks;
+  alignas(64) int32_t high[16][16], low[16][16];
+  __m512 acc[16][8], offsets[16][8];  // [weight row][chunk % 8] over 16 x rows: RowSums' lanes
+  for (int r = 0; r < 16; r++)
+    for (int l = 0; l < 8; l++) acc[r][l] = offsets[r][l] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; c++) {
+    const int l = int(c % 8);
+    const __m512 xs = _mm512_loadu_ps(x.scale.data() + (mt * C + c) * 16);
+    for (int h = 0; h < kHalves; h++) {
+      _tile_loadd(2, w.values.data() + ((nt * C + c) * 16) * 32 + 16 * h, 32);
+      _tile_loadd(3, x.hi.data() + (mt * C + c) * 512 + 256 * h, 64);
+      _tile_loadd(4, x.lo.data() + (mt * C + c) * 512 + 256 * h, 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      if constexpr (kSignedValues<F>) {
+        _tile_dpbssd(0, 2, 3);
+        _tile_dpbsud(1, 2, 4);
+      } else {
+        _tile_dpbusd(0, 2, 3);
+        _tile_dpbuud(1, 2, 4);
+      }
+      _tile_stored(0, high, 64);
+      _tile_stored(1, low, 64);
+      const float* d = w.scales.data() + ((nt * C + c) * 2 + h) * 16;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; r++) {
+        const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high[r]), 8),
+                                              _mm512_load_si512(low[r]));
+        acc[r][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_set1_ps(d[r]), xs), acc[r][l]);
+      }
+    }
+    if constexpr (F::kOffset) {
+      const __m512 xsum = _mm512_loadu_ps(x.sum.data() + (mt * C + c) * 16);
+      const float* o = w.offsets.data() + (nt * C + c) * 16;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; r++) offsets[r][l] = _mm512_fmadd_ps(_mm512_set1_ps(o[r]), xsum, offsets[r][l]);
+    }
+  }
+  for (int r = 0; r < 16; r++) {
+    __m512 s[8];
+    for (int l = 0; l < 8; l++) s[l] = _mm512_add_ps(acc[r][l], offsets[r][l]);
+    const __m512 total = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s[0], s[4]), _mm512_add_ps(s[2], s[6])),
+                                       _mm512_add_ps(_mm512_add_ps(s[1], s[5]), _mm512_add_ps(s[3], s[7])));
+    _mm512_storeu_ps(out[r], _mm512_add_ps(total, _mm512_setzero_ps()));  // + the tail's offsets, none
+  }
+}
+
+// A block of a part's rows (from r0, decoded in w) against every row of x, on tiles.
+template <class F, typename T>
+void amx_block(const DecodedRows<F>& w, AmxRows& tiles, const Part& part, int64_t r0, int64_t rows,
+               const AmxX& x, int64_t M, const float* bias, T* y, int64_t N) {
+  tiles.convert(w, rows);
+  load_tile_config<DecodedRows<F>::kHalves>();
+  constexpr int64_t kPanelTiles = 6;  // x tiles a weight tile meets in turn, in cache meanwhile
+  for (int64_t p0 = 0; p0 < x.tiles; p0 += kPanelTiles)
+    for (int64_t nt = 0; nt < tiles.tiles; nt++)
+      for (int64_t mt = p0; mt < std::min(x.tiles, p0 + kPanelTiles); mt++) {
+        float out[16][16];
+        amx_tile<F>(tiles, nt, x, mt, out);
+        for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * nt); r++) {
+          const int64_t n = part.first + r0 + 16 * nt + r;
+          for (int64_t m = 0; m < std::min<int64_t>(16, M - 16 * mt); m++)
+            y[(16 * mt + m) * N + n] = T(out[r][m] + (bias != nullptr ? bias[n] : 0.0f));
+        }
+      }
+  _tile_release();
+}
+#endif  // NANOVLLM_SIMD_AMX
+
 // y = x W^T (+ bias) over parts in lanes formats, tiled: one task a block of a part's rows.
 template <typename T>
 void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const float* bias, T* y, int64_t M,
@@ -1012,8 +1206,18 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
   std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
   for (const Part& part : parts)
     for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
+#if defined(NANOVLLM_SIMD_AMX)
+  // Tiles take whole groups only (a row's tail chunks are the AVX kernels'), in a process
+  // granted the tiles' state.
+  std::optional<AmxX> amx_x;
+  if (K % 256 == 0 && amx_permitted()) amx_x.emplace(xq, M);
+#endif
   parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
     DecodeBuffers buffers(per_block, K);
+#if defined(NANOVLLM_SIMD_AMX)
+    std::optional<AmxRows> amx_rows;
+    if (amx_x) amx_rows.emplace(per_block, K);
+#endif
     for (int64_t b = begin; b < end; b++) {
       const auto [part, r0] = blocks[b];
       const int64_t rows = std::min<int64_t>(per_block, part->rows - r0);
@@ -1023,6 +1227,9 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
           static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
           DecodedRows<F> w = buffers.rows<F>();
           w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
+#if defined(NANOVLLM_SIMD_AMX)
+          if (amx_x) return amx_block<F>(w, *amx_rows, *part, r0, rows, *amx_x, M, bias, y, N);
+#endif
           // A panel of x's rows at a time stays in L1 and L2 while each weight tile meets all of them.
           for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
             const int64_t p1 = std::min(M, p0 + kPanelRows);

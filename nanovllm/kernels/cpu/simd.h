@@ -5,6 +5,8 @@
 //   avx512: AVX512F + BW + VL + BF16 + VNNI (Zen 4, Sapphire Rapids and later): a Vec is one zmm
 //           register, a dot product over bf16 pairs is one vdpbf16ps, over 16-bit integer pairs
 //           one vpdpwssd.
+//   amx:    avx512 with AMX-TILE and AMX-INT8 (Sapphire Rapids and later): the same layer (kAmx
+//           says so); the quantized kernels' many-row path multiplies on tiles (quantized.cpp).
 //   avx2:   AVX2 + FMA + F16C (Haswell, Zen 1-3, Alder Lake): a Vec is two ymm registers; bf16
 //           widens to fp32 exactly (a shift or a mask: a bf16 is the top half of an fp32) and the
 //           pairs' products are two FMAs.
@@ -49,7 +51,12 @@ inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 #if defined(NANOVLLM_SIMD_AVX512)
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define NANOVLLM_SIMD_AMX 1
+inline constexpr const char* kIsa = "amx";
+#else
 inline constexpr const char* kIsa = "avx512";
+#endif
 inline constexpr int kRegisters = 32;  // vector registers
 inline constexpr int kRegistersPerVec = 1;
 inline constexpr bool kBf16Arithmetic = true;  // the CPU multiplies bf16 (oneDNN's GEMM too)
