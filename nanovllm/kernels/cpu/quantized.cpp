@@ -20,11 +20,6 @@
 
 #include <ATen/ops/empty.h>
 
-#if defined(NANOVLLM_SIMD_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -873,11 +868,12 @@ constexpr int64_t kPanelRows = 16 * kTileX;
 constexpr int64_t kBlockBytes = 256 * 1024;
 constexpr int64_t kBlocksPerThread = 8;
 
-int64_t block_rows(int64_t N, int64_t K) {
-  const int64_t by_cache = kBlockBytes / (2 * K) / kTileRows * kTileRows;
+// Rows a block, a multiple of the tile's rows (`tile_rows`).
+int64_t block_rows(int64_t N, int64_t K, int64_t tile_rows) {
+  const int64_t by_cache = kBlockBytes / (2 * K) / tile_rows * tile_rows;
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t by_balance = (N + kBlocksPerThread * threads - 1) / (kBlocksPerThread * threads);
-  return std::max<int64_t>(kTileRows, std::min(by_cache, (by_balance + kTileRows - 1) / kTileRows * kTileRows));
+  return std::max(tile_rows, std::min(by_cache, (by_balance + tile_rows - 1) / tile_rows * tile_rows));
 }
 
 // A block of a lanes format's rows decoded: group g of row r as 256 words at values[(r * groups +
@@ -1012,77 +1008,53 @@ constexpr auto make_tiles_table(std::integer_sequence<int, Ps...>) {
 
 #if defined(NANOVLLM_SIMD_AMX)
 // ---- Many rows on AMX tiles (the `amx` variant) -------------------------------------------
-// The same sums as RowSums, bit for bit, with the integer part on tiles: a chunk's 32 values of
-// 16 weight rows (tile A, a byte each) against the same chunk of 16 rows of x (tiles B), one
-// TDPB*D giving 16 x 16 chunk sums. AMX multiplies bytes, and x has 16 bits a value, so x goes
-// in as two tiles, its high bytes (signed) and its low bytes (unsigned): x = 256 hi + lo, and a
-// chunk's sum is 256 (w . hi) + w . lo, exact in int32 as the AVX sums are. Each sum then meets
-// the weight's and x's chunk scales in the lane of its chunk modulo 8, as RowSums::add_group
-// leaves it, and the totals go through reduce_add8's tree: the same operations in the same
-// order on the same values, only vectorised over sixteen x rows instead of eight chunks. The
-// weights' decoded words fit a byte (signed for Q8_0 and Q6_K, whose values are centred;
-// unsigned for the rest, whose offsets carry their zero points), so they are exact as bytes.
-
-// Linux grants the tile registers' state to a process only on request (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return permitted;
-}
+// The same sums as RowSums, bit for bit, with the integer part on tiles (simd::tiles): a
+// chunk's 32 values of 16 weight rows against the same chunk of 16 rows of x give 16 x 16 chunk
+// sums, exact in int32 as the AVX sums are. Each then meets the weight's and x's chunk scales
+// in the lane of its chunk modulo 8, as RowSums::add_group leaves it, and the totals go through
+// reduce_add8's tree: the same operations in the same order on the same values, only
+// vectorised over sixteen rows of x instead of eight chunks. A weight's decoded words fit a
+// byte: signed for Q8_0 and Q6_K, whose values are centred; unsigned for the rest, whose
+// offsets carry their zero points.
 
 template <class F>
 constexpr bool kSignedValues = F::kType == Lanes<Q8_0>::kType || F::kType == Q6_KLanes::kType;
 
-// A group's chunk l (of 8) in order, from 256 words in the lanes layout (value j of chunk l in
-// vector j / 2, word 2l + j % 2): dword v of the result is the group's dword 8v + l.
-inline __m512i chunk_words(const int16_t* group, int l) {
-  const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
-                                                                              4, 3, 2, 1, 0), _mm512_set1_epi32(8)),
-                                         _mm512_set1_epi32(l));
-  return _mm512_i32gather_epi32(index, group, 4);
-}
-
-// x's rows as the B tiles take them: for each tile of 16 rows and each chunk, eight rows of 64
-// bytes, row kk holding values 4kk to 4kk + 3 of each of the 16 x rows (TDPB*D's layout), once
-// for the high bytes and once for the low; and the chunks' scales and sums by x row. Rows past M
-// are zeros.
+// x's rows as the B tiles take them (for each tile of 16 rows and each chunk, 512 bytes of
+// high bytes and 512 of low), and their chunks' scales and sums by row; rows past M are zeros.
 struct AmxX {
   int64_t tiles, chunks;
-  std::vector<uint8_t> hi, lo;      // [tile][chunk][8][16 x 4]
-  std::vector<float> scale, sum;    // [tile][chunk][16]
+  std::vector<uint8_t> high, low;  // [tile][chunk][8 x 64]
+  std::vector<float> scale, sum;   // [tile][chunk][16]
 
   AmxX(const QuantizedRows& x, int64_t M)
-      : tiles((M + 15) / 16), chunks(x.chunks), hi(tiles * chunks * 512), lo(tiles * chunks * 512),
+      : tiles((M + 15) / 16), chunks(x.chunks), high(tiles * chunks * 512), low(tiles * chunks * 512),
         scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
-    const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32(16));
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; m++) {
-        const int64_t t = m / 16, i = m % 16;
+      for (int64_t m = begin; m < end; m++)
         for (int64_t c = 0; c < chunks; c++) {
-          const __m512i words = chunk_words(x.values(m, c / 8 * 8), int(c % 8));
-          const int64_t at = (t * chunks + c) * 512 + 4 * i;
-          _mm256_i32scatter_epi32(hi.data() + at, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
-          _mm256_i32scatter_epi32(lo.data() + at, rows, _mm512_cvtepi16_epi8(words), 4);
-          scale[(t * chunks + c) * 16 + i] = x.scale[m * chunks + c];
-          sum[(t * chunks + c) * 16 + i] = x.sum[m * chunks + c];
+          const int64_t at = m / 16 * chunks + c;
+          simd::tiles::store_chunk_column(x.values(m, c / 8 * 8), int(c % 8), &high[at * 512], &low[at * 512],
+                                          int(m % 16));
+          scale[at * 16 + m % 16] = x.scale[m * chunks + c];
+          sum[at * 16 + m % 16] = x.sum[m * chunks + c];
         }
-      }
     });
   }
 };
 
-// A block's decoded rows (DecodedRows) as the A tiles take them: for each tile of 16 rows and
-// each chunk, 16 rows of the chunk's 32 values a byte each; the chunks' scales (kHalves per
-// chunk) and offsets by row. Rows past the block's are zeros.
+// A block's decoded rows (DecodedRows) as the A tiles take them (for each tile of 16 rows and
+// each chunk, its 16 rows of 32 bytes), and the chunks' scales (two halves, the second unused
+// where a chunk has one scale) and offsets by row; rows past the block's are zeros.
 struct AmxRows {
-  int64_t tiles, chunks, halves;
-  std::vector<int8_t> values;       // [tile][chunk][16][32]
-  std::vector<float> scales;        // [tile][chunk][half][16]
-  std::vector<float> offsets;       // [tile][chunk][16]
+  int64_t tiles, chunks;
+  std::vector<int8_t> values;  // [tile][chunk][16][32]
+  std::vector<float> scales;   // [tile][chunk][half][16]
+  std::vector<float> offsets;  // [tile][chunk][16]
 
   AmxRows(int64_t rows, int64_t K)
-      : tiles((rows + 15) / 16), chunks(K / 32), halves(2), values(tiles * chunks * 512),
-        scales(tiles * chunks * 32), offsets(tiles * chunks * 16) {}
+      : tiles((rows + 15) / 16), chunks(K / 32), values(tiles * chunks * 512), scales(tiles * chunks * 32),
+        offsets(tiles * chunks * 16) {}
 
   template <class F>
   void convert(const DecodedRows<F>& w, int64_t rows) {
@@ -1090,89 +1062,59 @@ struct AmxRows {
     std::fill(values.begin(), values.end(), 0);
     std::fill(scales.begin(), scales.end(), 0.0f);
     std::fill(offsets.begin(), offsets.end(), 0.0f);
-    for (int64_t r = 0; r < rows; r++) {
-      const int64_t t = r / 16, i = r % 16;
+    for (int64_t r = 0; r < rows; r++)
       for (int64_t g = 0; g < w.groups; g++) {
         const float* s = w.scales_of(r, g);
         for (int l = 0; l < 8; l++) {
-          const int64_t c = 8 * g + l;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(values.data() + ((t * chunks + c) * 16 + i) * 32),
-                              _mm512_cvtepi16_epi8(chunk_words(w.vectors(r, g), l)));
-          for (int h = 0; h < kHalves; h++) scales[((t * chunks + c) * 2 + h) * 16 + i] = s[8 * h + l];
-          offsets[(t * chunks + c) * 16 + i] = s[8 * kHalves + l];
+          const int64_t at = r / 16 * chunks + 8 * g + l, i = r % 16;
+          simd::tiles::store_chunk_bytes(w.vectors(r, g), l, &values[(at * 16 + i) * 32]);
+          for (int h = 0; h < kHalves; h++) scales[(at * 2 + h) * 16 + i] = s[8 * h + l];
+          offsets[at * 16 + i] = s[8 * kHalves + l];
         }
       }
-    }
   }
 };
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0 and 1: the sums of the high and low bytes (16 x 16 int32); 2: the weights (16 rows of
-// a chunk, or of a half chunk where kHalves is 2); 3 and 4: x's high and low bytes.
-template <int kHalves>
-void load_tile_config() {
-  TileConfig config;
-  config.rows[0] = config.rows[1] = config.rows[2] = 16;
-  config.colsb[0] = config.colsb[1] = 64;
-  config.colsb[2] = 32 / kHalves;
-  config.rows[3] = config.rows[4] = 8 / kHalves;
-  config.colsb[3] = config.colsb[4] = 64;
-  _tile_loadconfig(&config);
-}
-
-// out[r][m] = row 16 nt + r of w . x row 16 mt + m: the tile of 16 by 16 outputs.
+// out[r][m] = row 16 nt + r of w . x row 16 mt + m. Lane l of RowSums (chunks l, l + 8, ..) is
+// summed apart from the other lanes, as they meet only in the totals: its sixteen rows' sums
+// stay in registers through the row.
 template <class F>
 void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&out)[16][16]) {
   constexpr int kHalves = DecodedRows<F>::kHalves;
   const int64_t C = w.chunks;
-  alignas(64) int32_t high[16][16], low[16][16];
-  __m512 acc[16][8], offsets[16][8];  // [weight row][chunk % 8] over 16 x rows: RowSums' lanes
-  for (int r = 0; r < 16; r++)
-    for (int l = 0; l < 8; l++) acc[r][l] = offsets[r][l] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; c++) {
-    const int l = int(c % 8);
-    const __m512 xs = _mm512_loadu_ps(x.scale.data() + (mt * C + c) * 16);
-    for (int h = 0; h < kHalves; h++) {
-      _tile_loadd(2, w.values.data() + ((nt * C + c) * 16) * 32 + 16 * h, 32);
-      _tile_loadd(3, x.hi.data() + (mt * C + c) * 512 + 256 * h, 64);
-      _tile_loadd(4, x.lo.data() + (mt * C + c) * 512 + 256 * h, 64);
-      _tile_zero(0);
-      _tile_zero(1);
-      if constexpr (kSignedValues<F>) {
-        _tile_dpbssd(0, 2, 3);
-        _tile_dpbsud(1, 2, 4);
-      } else {
-        _tile_dpbusd(0, 2, 3);
-        _tile_dpbuud(1, 2, 4);
-      }
-      _tile_stored(0, high, 64);
-      _tile_stored(1, low, 64);
-      const float* d = w.scales.data() + ((nt * C + c) * 2 + h) * 16;
+  simd::tiles::Sums sums;
+  simd::Vec lanes[8][16];  // RowSums' acc + offsets: [chunk % 8][weight row] over 16 rows of x
+  for (int l = 0; l < 8; l++) {
+    simd::Vec acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = simd::zero();
+    for (int64_t c = l; c < C; c += 8) {
+      const int64_t wc = nt * C + c, xc = mt * C + c;
+      const simd::Vec xs = simd::load(&x.scale[xc * 16]);
+#pragma GCC unroll 2
+      for (int h = 0; h < kHalves; h++) {
+        sums.compute<kSignedValues<F>>(&w.values[wc * 512 + 16 * h], 32, &x.high[xc * 512 + 256 * h],
+                                       &x.low[xc * 512 + 256 * h]);
+        const float* d = &w.scales[(wc * 2 + h) * 16];
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; r++) {
-        const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high[r]), 8),
-                                              _mm512_load_si512(low[r]));
-        acc[r][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_set1_ps(d[r]), xs), acc[r][l]);
+        for (int r = 0; r < 16; r++) acc[r] = simd::fmadd(sums.row(r), simd::mul(simd::set1(d[r]), xs), acc[r]);
       }
     }
-    if constexpr (F::kOffset) {
-      const __m512 xsum = _mm512_loadu_ps(x.sum.data() + (mt * C + c) * 16);
-      const float* o = w.offsets.data() + (nt * C + c) * 16;
+    simd::Vec offsets[16];
+    for (int r = 0; r < 16; r++) offsets[r] = simd::zero();
+    if constexpr (F::kOffset)
+      for (int64_t c = l; c < C; c += 8) {
+        const simd::Vec xsum = simd::load(&x.sum[(mt * C + c) * 16]);
+        const float* o = &w.offsets[(nt * C + c) * 16];
 #pragma GCC unroll 16
-      for (int r = 0; r < 16; r++) offsets[r][l] = _mm512_fmadd_ps(_mm512_set1_ps(o[r]), xsum, offsets[r][l]);
-    }
+        for (int r = 0; r < 16; r++) offsets[r] = simd::fmadd(simd::set1(o[r]), xsum, offsets[r]);
+      }
+    for (int r = 0; r < 16; r++) lanes[l][r] = simd::add(acc[r], offsets[r]);
   }
   for (int r = 0; r < 16; r++) {
-    __m512 s[8];
-    for (int l = 0; l < 8; l++) s[l] = _mm512_add_ps(acc[r][l], offsets[r][l]);
-    const __m512 total = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s[0], s[4]), _mm512_add_ps(s[2], s[6])),
-                                       _mm512_add_ps(_mm512_add_ps(s[1], s[5]), _mm512_add_ps(s[3], s[7])));
-    _mm512_storeu_ps(out[r], _mm512_add_ps(total, _mm512_setzero_ps()));  // + the tail's offsets, none
+    const auto s = [&](int l) { return lanes[l][r]; };
+    const simd::Vec total = simd::add(simd::add(simd::add(s(0), s(4)), simd::add(s(2), s(6))),
+                                      simd::add(simd::add(s(1), s(5)), simd::add(s(3), s(7))));
+    simd::store(out[r], simd::add(total, simd::zero()));  // + the tail's offsets, none
   }
 }
 
@@ -1181,7 +1123,7 @@ template <class F, typename T>
 void amx_block(const DecodedRows<F>& w, AmxRows& tiles, const Part& part, int64_t r0, int64_t rows,
                const AmxX& x, int64_t M, const float* bias, T* y, int64_t N) {
   tiles.convert(w, rows);
-  load_tile_config<DecodedRows<F>::kHalves>();
+  simd::tiles::configure(32 / DecodedRows<F>::kHalves);
   constexpr int64_t kPanelTiles = 6;  // x tiles a weight tile meets in turn, in cache meanwhile
   for (int64_t p0 = 0; p0 < x.tiles; p0 += kPanelTiles)
     for (int64_t nt = 0; nt < tiles.tiles; nt++)
@@ -1194,7 +1136,7 @@ void amx_block(const DecodedRows<F>& w, AmxRows& tiles, const Part& part, int64_
             y[(16 * mt + m) * N + n] = T(out[r][m] + (bias != nullptr ? bias[n] : 0.0f));
         }
       }
-  _tile_release();
+  simd::tiles::release();
 }
 #endif  // NANOVLLM_SIMD_AMX
 
@@ -1202,16 +1144,18 @@ void amx_block(const DecodedRows<F>& w, AmxRows& tiles, const Part& part, int64_
 template <typename T>
 void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const float* bias, T* y, int64_t M,
                   int64_t N, int64_t K) {
-  const int64_t per_block = block_rows(N, K);
-  std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
-  for (const Part& part : parts)
-    for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
 #if defined(NANOVLLM_SIMD_AMX)
   // Tiles take whole groups only (a row's tail chunks are the AVX kernels'), in a process
   // granted the tiles' state.
   std::optional<AmxX> amx_x;
-  if (K % 256 == 0 && amx_permitted()) amx_x.emplace(xq, M);
+  if (K % 256 == 0 && simd::tiles::permitted()) amx_x.emplace(xq, M);
+  const int64_t per_block = block_rows(N, K, amx_x ? 16 : kTileRows);
+#else
+  const int64_t per_block = block_rows(N, K, kTileRows);
 #endif
+  std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
+  for (const Part& part : parts)
+    for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
   parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
     DecodeBuffers buffers(per_block, K);
 #if defined(NANOVLLM_SIMD_AMX)

@@ -32,6 +32,10 @@
     defined(__AVX512VNNI__)
 #define NANOVLLM_SIMD_AVX512 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define NANOVLLM_SIMD_AVX2 1
 #include <immintrin.h>
@@ -143,6 +147,93 @@ struct Broadcast {
 };
 inline Broadcast broadcast(Pair x) { return {(__m512bh)_mm512_set1_epi32(int(x.bits))}; }
 inline Vec dot(Vec acc, Pairs w, Broadcast x) { return {_mm512_dpbf16_ps(acc.v, w.v, x.v)}; }
+
+#if defined(NANOVLLM_SIMD_AMX)
+// AMX-INT8 tiles, for the quantized kernels' many-row path (quantized.cpp): the integer sums of
+// 32-value chunks of 16 weight rows against 16 rows of x, whose 16-bit values go in as two byte
+// tiles, their high bytes (signed) and low bytes (unsigned), the sum being 256 high + low.
+namespace tiles {
+
+// Linux grants a process the tile registers' state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+inline bool permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// Chunk l (of 8) of a group of 256 words in the lanes layout (value j of chunk l in vector
+// j / 2, word 2l + j % 2), its 32 values in order: dword v of it is the group's dword 8v + l.
+inline __m512i chunk_words(const int16_t* group, int l) {
+  const __m512i index = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120), _mm512_set1_epi32(l));
+  return _mm512_i32gather_epi32(index, group, 4);
+}
+
+// The chunk's values as bytes, in order (each must fit one byte, signed or unsigned: the caller
+// knows its format's range): the rows of the A tile.
+inline void store_chunk_bytes(const int16_t* group, int l, int8_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(chunk_words(group, l)));
+}
+
+// The chunk's values' high and low bytes as column `column` of B tiles (TDPB*D's layout: eight
+// rows of 64 bytes, values 4k to 4k + 3 of each of 16 columns in row k).
+inline void store_chunk_column(const int16_t* group, int l, uint8_t* high, uint8_t* low, int column) {
+  const __m256i rows = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  const __m512i words = chunk_words(group, l);
+  _mm256_i32scatter_epi32(high + 4 * column, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
+  _mm256_i32scatter_epi32(low + 4 * column, rows, _mm512_cvtepi16_epi8(words), 4);
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles for dot products of k values (32, a chunk; 16, half a chunk): 0 and 1 the
+// high and low sums (16 x 16 int32), 2 the weights (16 rows of k bytes), 3 and 4 x's high and
+// low bytes (k / 4 rows of 64). Released by release().
+inline void configure(int k) {
+  Config config;
+  config.rows[0] = config.rows[1] = config.rows[2] = 16;
+  config.colsb[0] = config.colsb[1] = config.colsb[3] = config.colsb[4] = 64;
+  config.colsb[2] = uint16_t(k);
+  config.rows[3] = config.rows[4] = uint8_t(k / 4);
+  _tile_loadconfig(&config);
+}
+inline void release() { _tile_release(); }
+
+// sums[r][m] = row r of w (16 rows of k bytes, w_stride apart; signed or not) . column m of x
+// (B tiles of its high and low bytes), exact: 256 (w . high) + w . low, left as its two halves.
+struct Sums {
+  alignas(64) int32_t high[16][16], low[16][16];
+
+  template <bool kSignedWeights>
+  void compute(const int8_t* w, int64_t w_stride, const uint8_t* x_high, const uint8_t* x_low) {
+    _tile_loadd(2, w, w_stride);
+    _tile_loadd(3, x_high, 64);
+    _tile_loadd(4, x_low, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kSignedWeights) {
+      _tile_dpbssd(0, 2, 3);
+      _tile_dpbsud(1, 2, 4);
+    } else {
+      _tile_dpbusd(0, 2, 3);
+      _tile_dpbuud(1, 2, 4);
+    }
+    _tile_stored(0, high, 64);
+    _tile_stored(1, low, 64);
+  }
+  // Row r's sixteen sums, converted to fp32 (as to_float converts the AVX sums).
+  Vec row(int r) const {
+    const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high[r]), 8), _mm512_load_si512(low[r]));
+    return {_mm512_cvtepi32_ps(sums)};
+  }
+};
+
+}  // namespace tiles
+#endif  // NANOVLLM_SIMD_AMX
 
 #elif defined(NANOVLLM_SIMD_AVX2)
 
