@@ -12,7 +12,9 @@
 // weight leaves memory once at its own size (0.56-1.06 bytes a value), the point of a quantized
 // file on a CPU. Many rows (prefill, a batch) decode blocks of weight rows into cache and tile
 // them against x (tiled_linear), with the same arithmetic for each output element in the same
-// order (RowSums), so that a row's result is the same bits whatever else shares its step.
+// order (RowSums), so that a row's result is the same bits whatever else shares its step; in
+// the `amx` variant the tiles' integer sums come from AMX-INT8 tiles (amx_tile), the rest as
+// RowSums has it.
 
 #include "ops.h"
 #include "simd.h"
@@ -642,11 +644,13 @@ struct RowSums {
     if constexpr (kOffset) offsets = simd::fmadd8(offset, simd::load8(x_sums), offsets);
   }
   // Chunk c of a row past its last group (a Lanes<Base> row's K % 256 values), decoded: q, its
-  // scale and offset, against x row m's chunk c.
-  void add_chunk(Words q, Vec8 scale, float offset, const QuantizedRows& x, int64_t m, int64_t c) {
+  // scale and offset, against x row m's chunk c. Its integer sum meets the scales whole, in the
+  // lane of its chunk modulo 8, as a group's chunks do (and as the AMX tiles sum it).
+  void add_chunk(Words q, float scale, float offset, const QuantizedRows& x, int64_t m, int64_t c) {
     const int64_t xc = m * x.chunks + c;
-    const simd::Sums dot = simd::dot(q, simd::load_words(x.values(m, c)));
-    acc = simd::fmadd8(simd::to_float(dot), simd::mul8(scale, simd::set1_8(x.scale[xc])), acc);
+    const int32_t sum = simd::total(simd::dot(q, simd::load_words(x.values(m, c))));
+    const Vec8 added = simd::fmadd8(simd::set1_8(float(sum)), simd::set1_8(scale * x.scale[xc]), acc);
+    acc = simd::blend_lane(acc, added, int(c % 8));
     tail_offsets = std::fma(offset, x.sum[xc], tail_offsets);  // fused in every kernel alike
   }
   template <class F>
@@ -654,7 +658,7 @@ struct RowSums {
     if constexpr (F::kTail)
       for (int64_t c = K / 256 * 8; c < K / 32; c++)
         F::Base::chunks(row + c * F::kBytes, c, [&](int64_t, Words q, Vec8 scale, float offset) {
-          add_chunk(q, scale, offset, x, m, c);
+          add_chunk(q, simd::first_lane(scale), offset, x, m, c);
         });
   }
   float total() const { return simd::reduce_add8(simd::add8(acc, offsets)) + tail_offsets; }
@@ -888,7 +892,7 @@ struct DecodedRows {
   int16_t* values;
   float* scales;
   Words* tail_values;
-  Vec8* tail_scales;
+  float* tail_scales;
   float* tail_offsets;
 
   void decode(const uint8_t* w, int64_t w_stride, int64_t rows) {
@@ -907,7 +911,7 @@ struct DecodedRows {
         for (int64_t t = 0; t < tail; t++)
           F::Base::chunks(row + (8 * groups + t) * F::kBytes, t, [&](int64_t, Words q, Vec8 scale, float offset) {
             tail_values[r * tail + t] = q;
-            tail_scales[r * tail + t] = scale;
+            tail_scales[r * tail + t] = simd::first_lane(scale);
             tail_offsets[r * tail + t] = offset;
           });
     }
@@ -922,7 +926,7 @@ struct DecodeBuffers {
   std::vector<int16_t> values;
   std::vector<float> scales, tail_offsets;
   std::vector<Words> tail_values;
-  std::vector<Vec8> tail_scales;
+  std::vector<float> tail_scales;
 
   DecodeBuffers(int64_t rows, int64_t K)
       : groups(K / 256), tail(K / 32 - K / 256 * 8), values(rows * groups * 256), scales(rows * groups * 24),
@@ -1034,8 +1038,9 @@ struct AmxX {
       for (int64_t m = begin; m < end; m++)
         for (int64_t c = 0; c < chunks; c++) {
           const int64_t at = m / 16 * chunks + c;
-          simd::tiles::store_chunk_column(x.values(m, c / 8 * 8), int(c % 8), &high[at * 512], &low[at * 512],
-                                          int(m % 16));
+          const bool grouped = c < x.chunks / 8 * 8;  // else a tail chunk, its values in order
+          simd::tiles::store_chunk_column(x.values(m, grouped ? c / 8 * 8 : c), grouped ? int(c % 8) : -1,
+                                          &high[at * 512], &low[at * 512], int(m % 16));
           scale[at * 16 + m % 16] = x.scale[m * chunks + c];
           sum[at * 16 + m % 16] = x.sum[m * chunks + c];
         }
@@ -1045,7 +1050,8 @@ struct AmxX {
 
 // A block's decoded rows (DecodedRows) as the A tiles take them (for each tile of 16 rows and
 // each chunk, its 16 rows of 32 bytes), and the chunks' scales (two halves, the second unused
-// where a chunk has one scale) and offsets by row; rows past the block's are zeros.
+// where a chunk has one scale) and offsets by row, a tail chunk's offset as RowSums keeps it
+// (tail_offsets); rows past the block's are zeros.
 struct AmxRows {
   int64_t tiles, chunks;
   std::vector<int8_t> values;  // [tile][chunk][16][32]
@@ -1071,6 +1077,14 @@ struct AmxRows {
           for (int h = 0; h < kHalves; h++) scales[(at * 2 + h) * 16 + i] = s[8 * h + l];
           offsets[at * 16 + i] = s[8 * kHalves + l];
         }
+      }
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t t = 0; t < w.tail; t++) {
+        const int64_t at = r / 16 * chunks + 8 * w.groups + t, i = r % 16;
+        simd::tiles::store_chunk_bytes(reinterpret_cast<const int16_t*>(&w.tail_values[r * w.tail + t]), -1,
+                                       &values[(at * 16 + i) * 32]);
+        scales[at * 2 * 16 + i] = w.tail_scales[r * w.tail + t];
+        offsets[at * 16 + i] = w.tail_offsets[r * w.tail + t];
       }
   }
 };
@@ -1102,7 +1116,7 @@ void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&o
     simd::Vec offsets[16];
     for (int r = 0; r < 16; r++) offsets[r] = simd::zero();
     if constexpr (F::kOffset)
-      for (int64_t c = l; c < C; c += 8) {
+      for (int64_t c = l; c < C / 8 * 8; c += 8) {
         const simd::Vec xsum = simd::load(&x.sum[(mt * C + c) * 16]);
         const float* o = &w.offsets[(nt * C + c) * 16];
 #pragma GCC unroll 16
@@ -1111,10 +1125,15 @@ void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&o
     for (int r = 0; r < 16; r++) lanes[l][r] = simd::add(acc[r], offsets[r]);
   }
   for (int r = 0; r < 16; r++) {
+    simd::Vec tail_offsets = simd::zero();  // RowSums::tail_offsets: the tail chunks' in turn
+    if constexpr (F::kOffset)
+      for (int64_t c = C / 8 * 8; c < C; c++)
+        tail_offsets = simd::fmadd(simd::set1(w.offsets[(nt * C + c) * 16 + r]), simd::load(&x.sum[(mt * C + c) * 16]),
+                                   tail_offsets);
     const auto s = [&](int l) { return lanes[l][r]; };
     const simd::Vec total = simd::add(simd::add(simd::add(s(0), s(4)), simd::add(s(2), s(6))),
                                       simd::add(simd::add(s(1), s(5)), simd::add(s(3), s(7))));
-    simd::store(out[r], simd::add(total, simd::zero()));  // + the tail's offsets, none
+    simd::store(out[r], simd::add(total, tail_offsets));
   }
 }
 
@@ -1145,10 +1164,9 @@ template <typename T>
 void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const float* bias, T* y, int64_t M,
                   int64_t N, int64_t K) {
 #if defined(NANOVLLM_SIMD_AMX)
-  // Tiles take whole groups only (a row's tail chunks are the AVX kernels'), in a process
-  // granted the tiles' state.
+  // In a process granted the tiles' state.
   std::optional<AmxX> amx_x;
-  if (K % 256 == 0 && simd::tiles::permitted()) amx_x.emplace(xq, M);
+  if (simd::tiles::permitted()) amx_x.emplace(xq, M);
   const int64_t per_block = block_rows(N, K, amx_x ? 16 : kTileRows);
 #else
   const int64_t per_block = block_rows(N, K, kTileRows);

@@ -169,17 +169,23 @@ inline __m512i chunk_words(const int16_t* group, int l) {
   return _mm512_i32gather_epi32(index, group, 4);
 }
 
+// A chunk's 32 values in order: chunk l of a group in the lanes layout, or (l < 0) the 32
+// words at p (a row's tail chunk).
+inline __m512i chunk_at(const int16_t* p, int l) {
+  return l < 0 ? _mm512_loadu_si512(p) : chunk_words(p, l);
+}
+
 // The chunk's values as bytes, in order (each must fit one byte, signed or unsigned: the caller
 // knows its format's range): the rows of the A tile.
-inline void store_chunk_bytes(const int16_t* group, int l, int8_t* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(chunk_words(group, l)));
+inline void store_chunk_bytes(const int16_t* p, int l, int8_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(chunk_at(p, l)));
 }
 
 // The chunk's values' high and low bytes as column `column` of B tiles (TDPB*D's layout: eight
 // rows of 64 bytes, values 4k to 4k + 3 of each of 16 columns in row k).
-inline void store_chunk_column(const int16_t* group, int l, uint8_t* high, uint8_t* low, int column) {
+inline void store_chunk_column(const int16_t* p, int l, uint8_t* high, uint8_t* low, int column) {
   const __m256i rows = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
-  const __m512i words = chunk_words(group, l);
+  const __m512i words = chunk_at(p, l);
   _mm256_i32scatter_epi32(high + 4 * column, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
   _mm256_i32scatter_epi32(low + 4 * column, rows, _mm512_cvtepi16_epi8(words), 4);
 }
@@ -696,7 +702,19 @@ inline void widen_block(Words q, Vec8 out[4]) {
   out[3] = {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.hi, 1)))};
 }
 inline void store8(float* p, Vec8 x) { _mm256_storeu_ps(p, x.v); }
+inline float first_lane(Vec8 x) { return _mm256_cvtss_f32(x.v); }
+// a with lane `lane` taken from b.
+inline Vec8 blend_lane(Vec8 a, Vec8 b, int lane) {
+  const __m256i mask = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lane));
+  return {_mm256_blendv_ps(a.v, b.v, _mm256_castsi256_ps(mask))};
+}
 inline Vec8 to_float(Sums x) { return {_mm256_cvtepi32_ps(x.v)}; }
+// The sum of the lanes, exact.
+inline int32_t total(Sums x) {
+  __m128i r = _mm_add_epi32(_mm256_castsi256_si128(x.v), _mm256_extracti128_si256(x.v, 1));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, 0xb1)));
+}
 inline Vec8 set1_8(float x) { return {_mm256_set1_ps(x)}; }
 // Lanes 0-3 take lo, 4-7 hi.
 inline Vec8 halves(float lo, float hi) { return {_mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi))}; }
@@ -876,7 +894,17 @@ inline void widen_block(Words q, Vec8 out[4]) {
   for (int g = 0; g < 4; g++) out[g] = map8([&](int j) { return float(q.v[8 * g + j]); });
 }
 inline void store8(float* p, Vec8 x) { std::memcpy(p, x.v, 32); }
+inline float first_lane(Vec8 x) { return x.v[0]; }
+inline Vec8 blend_lane(Vec8 a, Vec8 b, int lane) {
+  a.v[lane] = b.v[lane];
+  return a;
+}
 inline Vec8 to_float(Sums x) { return map8([&](int j) { return float(x.v[j]); }); }
+inline int32_t total(Sums x) {
+  int32_t s = 0;
+  for (int32_t v : x.v) s += v;
+  return s;
+}
 inline Vec8 set1_8(float x) { return map8([x](int) { return x; }); }
 inline Vec8 halves(float lo, float hi) { return map8([=](int j) { return j < 4 ? lo : hi; }); }
 inline Vec8 low_half(Vec8 x) { return set1_8(x.v[0]); }
