@@ -643,23 +643,36 @@ struct RowSums {
     for (int h = 0; h < kHalves; h++) acc = simd::fmadd8(simd::to_float(sums[h]), simd::mul8(d[h], xs), acc);
     if constexpr (kOffset) offsets = simd::fmadd8(offset, simd::load8(x_sums), offsets);
   }
-  // Chunk c of a row past its last group (a Lanes<Base> row's K % 256 values), decoded: q, its
-  // scale and offset, against x row m's chunk c. Its integer sum meets the scales whole, in the
-  // lane of its chunk modulo 8, as a group's chunks do (and as the AMX tiles sum it).
-  void add_chunk(Words q, float scale, float offset, const QuantizedRows& x, int64_t m, int64_t c) {
-    const int64_t xc = m * x.chunks + c;
-    const int32_t sum = simd::total(simd::dot(q, simd::load_words(x.values(m, c))));
-    const Vec8 added = simd::fmadd8(simd::set1_8(float(sum)), simd::set1_8(scale * x.scale[xc]), acc);
-    acc = simd::blend_lane(acc, added, int(c % 8));
-    tail_offsets = std::fma(offset, x.sum[xc], tail_offsets);  // fused in every kernel alike
+  // A row's tail chunks c0 to c0 + n - 1 (n < 8: a Lanes<Base> row's K % 256 values) against x
+  // row m: sums[j] chunk c0 + j's integer dot product (zero past n), their scales in lanes (zero
+  // past n) and offsets. Each chunk's integer sum meets its scales whole, in the lane of its
+  // chunk modulo 8 (lane j: c0 is a multiple of 8), as a group's chunks do and as the AMX tiles
+  // sum it; a lane without a chunk adds 0 x 0, which leaves it as it was (a sum that starts at
+  // +0 is never -0).
+  void add_tail_chunks(const simd::Sums* sums, Vec8 scales, const float* offsets, int64_t n, const QuantizedRows& x,
+                       int64_t m, int64_t c0) {
+    const int64_t xc = m * x.chunks + c0;
+    for (int64_t j = 0; j < n; j++) tail_offsets = std::fma(offsets[j], x.sum[xc + j], tail_offsets);
+    const Vec8 products = simd::mul8(scales, simd::load8_first(&x.scale[xc], n));
+    acc = simd::fmadd8(simd::to_float(simd::totals(sums)), products, acc);
   }
   template <class F>
   void add_tail(const uint8_t* row, int64_t K, const QuantizedRows& x, int64_t m) {
-    if constexpr (F::kTail)
-      for (int64_t c = K / 256 * 8; c < K / 32; c++)
-        F::Base::chunks(row + c * F::kBytes, c, [&](int64_t, Words q, Vec8 scale, float offset) {
-          add_chunk(q, simd::first_lane(scale), offset, x, m, c);
+    if constexpr (F::kTail) {
+      const int64_t c0 = K / 256 * 8, n = K / 32 - c0;
+      if (n == 0) return;
+      simd::Sums sums[8];
+      Vec8 scales = simd::zero8();
+      float offsets[8];
+      for (int j = 0; j < 8; j++) sums[j] = simd::zero_sums();
+      for (int64_t j = 0; j < n; j++)
+        F::Base::chunks(row + (c0 + j) * F::kBytes, c0 + j, [&](int64_t, Words q, Vec8 scale, float offset) {
+          sums[j] = simd::dot(q, simd::load_words(x.values(m, c0 + j)));
+          scales = simd::blend_lane(scales, scale, j);
+          offsets[j] = offset;
         });
+      add_tail_chunks(sums, scales, offsets, n, x, m, c0);
+    }
   }
   float total() const { return simd::reduce_add8(simd::add8(acc, offsets)) + tail_offsets; }
   // total() of each of n <= 8, bit for bit, eight at once (reduce_add8x8 keeps reduce_add8's tree).
@@ -975,11 +988,17 @@ void lanes_tile(const DecodedRows<F>& w, int64_t t, const QuantizedRows& x, int6
       }
     }
   }
-  for (int64_t c = 0; c < w.tail; c++)
+  if (w.tail > 0)
     for (int r = 0; r < kTileRows; r++) {
-      const int64_t at = (t + r) * w.tail + c;
-      for (int m = 0; m < P; m++)
-        sums[r][m].add_chunk(w.tail_values[at], w.tail_scales[at], w.tail_offsets[at], x, m0 + m, 8 * w.groups + c);
+      const int64_t at = (t + r) * w.tail, c0 = 8 * w.groups;
+      const Vec8 scales = simd::load8_first(&w.tail_scales[at], w.tail);
+      for (int m = 0; m < P; m++) {
+        simd::Sums dots[8];
+        for (int j = 0; j < 8; j++)
+          dots[j] = j < w.tail ? simd::dot(w.tail_values[at + j], simd::load_words(x.values(m0 + m, c0 + j)))
+                               : simd::zero_sums();
+        sums[r][m].add_tail_chunks(dots, scales, &w.tail_offsets[at], w.tail, x, m0 + m, c0);
+      }
     }
   const RowSums* flat = &sums[0][0];  // row-major: pair i is sums[i / P][i % P]
   for (int i0 = 0; i0 < kTileRows * P; i0 += 8) {

@@ -686,6 +686,16 @@ inline void quads_to_chunks(const Quad q[4], Words out[8]) {
 // Eight fp16 values converted.
 inline Vec8 halves_at(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 inline Vec8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline __m256i lanes_below(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// The first n values at p, zeros after (nothing past them is read).
+inline Vec8 load8_first(const float* p, int64_t n) { return {_mm256_maskload_ps(p, lanes_below(n))}; }
+// a with lane `lane` taken from b.
+inline Vec8 blend_lane(Vec8 a, Vec8 b, int64_t lane) {
+  const __m256i mask = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(int(lane)));
+  return {_mm256_blendv_ps(a.v, b.v, _mm256_castsi256_ps(mask))};
+}
 // Eight unsigned (or signed) bytes converted.
 inline Vec8 bytes_at(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)))};
@@ -703,17 +713,12 @@ inline void widen_block(Words q, Vec8 out[4]) {
 }
 inline void store8(float* p, Vec8 x) { _mm256_storeu_ps(p, x.v); }
 inline float first_lane(Vec8 x) { return _mm256_cvtss_f32(x.v); }
-// a with lane `lane` taken from b.
-inline Vec8 blend_lane(Vec8 a, Vec8 b, int lane) {
-  const __m256i mask = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lane));
-  return {_mm256_blendv_ps(a.v, b.v, _mm256_castsi256_ps(mask))};
-}
 inline Vec8 to_float(Sums x) { return {_mm256_cvtepi32_ps(x.v)}; }
-// The sum of the lanes, exact.
-inline int32_t total(Sums x) {
-  __m128i r = _mm_add_epi32(_mm256_castsi256_si128(x.v), _mm256_extracti128_si256(x.v, 1));
-  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, 0xb1)));
+// Lane j: the sum of x[j]'s lanes, exact.
+inline Sums totals(const Sums x[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(x[0].v, x[1].v), _mm256_hadd_epi32(x[2].v, x[3].v));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(x[4].v, x[5].v), _mm256_hadd_epi32(x[6].v, x[7].v));
+  return {_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31))};
 }
 inline Vec8 set1_8(float x) { return {_mm256_set1_ps(x)}; }
 // Lanes 0-3 take lo, 4-7 hi.
@@ -895,15 +900,12 @@ inline void widen_block(Words q, Vec8 out[4]) {
 }
 inline void store8(float* p, Vec8 x) { std::memcpy(p, x.v, 32); }
 inline float first_lane(Vec8 x) { return x.v[0]; }
-inline Vec8 blend_lane(Vec8 a, Vec8 b, int lane) {
-  a.v[lane] = b.v[lane];
-  return a;
-}
 inline Vec8 to_float(Sums x) { return map8([&](int j) { return float(x.v[j]); }); }
-inline int32_t total(Sums x) {
-  int32_t s = 0;
-  for (int32_t v : x.v) s += v;
-  return s;
+inline Sums totals(const Sums x[8]) {
+  Sums t{};
+  for (int j = 0; j < 8; j++)
+    for (int32_t v : x[j].v) t.v[j] += v;
+  return t;
 }
 inline Vec8 set1_8(float x) { return map8([x](int) { return x; }); }
 inline Vec8 halves(float lo, float hi) { return map8([=](int j) { return j < 4 ? lo : hi; }); }
@@ -926,6 +928,11 @@ inline Vec8 halves_at(const uint8_t* p) {
   return map8([&](int j) { return half_to_float(h[j]); });
 }
 inline Vec8 load8(const float* p) { return map8([&](int j) { return p[j]; }); }
+inline Vec8 load8_first(const float* p, int64_t n) { return map8([&](int j) { return j < n ? p[j] : 0.0f; }); }
+inline Vec8 blend_lane(Vec8 a, Vec8 b, int64_t lane) {
+  a.v[lane] = b.v[lane];
+  return a;
+}
 inline Vec8 bytes_at(const uint8_t* p) { return map8([&](int j) { return float(p[j]); }); }
 inline Vec8 signed_bytes_at(const uint8_t* p) { return map8([&](int j) { return float(int8_t(p[j])); }); }
 inline std::pair<float, float> two_halves_at(const uint8_t* p) {
