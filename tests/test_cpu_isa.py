@@ -77,6 +77,15 @@ def test_the_build_reports_its_variant():
     assert cpu_kernels.isa() == (forced or cpu_kernels.runnable_isas()[0])
 
 
+def test_an_amx_build_multiplies_on_tiles():
+    """The amx variant's many-row path falls back to AVX-512 where the kernel refuses the tiles,
+    with the same results: only this tells the two apart."""
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels could not be built here")
+    import torch
+    assert torch.ops.nanovllm_cpu.amx_tiles_granted() == (cpu_kernels.isa() == "amx")
+
+
 def test_every_kernel_source_is_in_exactly_one_translation_unit():
     """The build compiles cpu/units/*.cpp, which include the sources: a file in none would be left
     out of the extension, a file in two defined twice."""

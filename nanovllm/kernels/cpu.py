@@ -24,7 +24,7 @@ through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `l
 `gguf_linear` / `gguf_linear_parts` / `gguf_dequantize` / `gguf_repack` (weights in GGUF's block formats),
 `store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise
 `silu_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layers` (a run of Llama-family layers as one call
-over the others), and `isa`; see cpu/registration.cpp.
+over the others), `isa` and `amx_tiles_granted`; see cpu/registration.cpp.
 """
 
 import functools
@@ -130,6 +130,9 @@ def available() -> bool:
     built = torch.ops.nanovllm_cpu.isa()
     if built != variant:  # the flags did not enable what the variant needs
         raise RuntimeError(f"the CPU kernels built for {variant!r} report {built!r}; the compiler ignored {flags}")
+    if variant == "amx" and not torch.ops.nanovllm_cpu.amx_tiles_granted():
+        logger.warning("the kernel refused this process the AMX tiles (arch_prctl); quantized prefill runs on "
+                       "the slower AVX-512 tiles (benchmarks/RESULTS.md)")
     _register_fakes()
     logger.info("CPU kernels: %s (this CPU runs %s)", variant, ", ".join(runnable_isas()))
     return True

@@ -1037,11 +1037,8 @@ constexpr auto make_tiles_table(std::integer_sequence<int, Ps...>) {
 // in the lane of its chunk modulo 8, as RowSums::add_group leaves it, and the totals go through
 // reduce_add8's tree: the same operations in the same order on the same values, only
 // vectorised over sixteen rows of x instead of eight chunks. A weight's decoded words fit a
-// byte: signed for Q8_0 and Q6_K, whose values are centred; unsigned for the rest, whose
-// offsets carry their zero points.
-
-template <class F>
-constexpr bool kSignedValues = F::kType == Lanes<Q8_0>::kType || F::kType == Q6_KLanes::kType;
+// byte: signed where the format has no offset (Q8_0, Q6_K: their values are centred), unsigned
+// where it has one (the offsets carry the zero points).
 
 // x's rows as the B tiles take them (for each tile of 16 rows and each chunk, 512 bytes of
 // high bytes and 512 of low), and their chunks' scales and sums by row; rows past M are zeros.
@@ -1084,9 +1081,12 @@ struct AmxRows {
   template <class F>
   void convert(const DecodedRows<F>& w, int64_t rows) {
     constexpr int kHalves = DecodedRows<F>::kHalves;
-    std::fill(values.begin(), values.end(), 0);
-    std::fill(scales.begin(), scales.end(), 0.0f);
-    std::fill(offsets.begin(), offsets.end(), 0.0f);
+    for (int64_t r = rows; r < tiles * 16; r++)  // the last tile's rows past the block: zeros
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t at = r / 16 * chunks + c, i = r % 16;
+        std::fill_n(&values[(at * 16 + i) * 32], 32, int8_t(0));
+        scales[at * 2 * 16 + i] = scales[(at * 2 + 1) * 16 + i] = offsets[at * 16 + i] = 0.0f;
+      }
     for (int64_t r = 0; r < rows; r++)
       for (int64_t g = 0; g < w.groups; g++) {
         const float* s = w.scales_of(r, g);
@@ -1125,7 +1125,7 @@ void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&o
       const simd::Vec xs = simd::load(&x.scale[xc * 16]);
 #pragma GCC unroll 2
       for (int h = 0; h < kHalves; h++) {
-        sums.compute<kSignedValues<F>>(&w.values[wc * 512 + 16 * h], 32, &x.high[xc * 512 + 256 * h],
+        sums.compute<!F::kOffset>(&w.values[wc * 512 + 16 * h], 32, &x.high[xc * 512 + 256 * h],
                                        &x.low[xc * 512 + 256 * h]);
         const float* d = &w.scales[(wc * 2 + h) * 16];
 #pragma GCC unroll 16

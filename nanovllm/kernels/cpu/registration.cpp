@@ -34,6 +34,15 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
         "float eps, float scale, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
         "Tensor cu_seqlens_q, Tensor context_lens, Tensor block_tables) -> (Tensor, Tensor)");
   m.def("isa() -> str", [] { return std::string(nanovllm_cpu::simd::kIsa); });
+  // Whether the kernel granted this process the AMX tiles (an `amx` build without them runs its
+  // many-row path on AVX-512).
+  m.def("amx_tiles_granted() -> bool", [] {
+#if defined(NANOVLLM_SIMD_AMX)
+    return nanovllm_cpu::simd::tiles::permitted();
+#else
+    return false;
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {

@@ -5,8 +5,9 @@
 //   avx512: AVX512F + BW + VL + BF16 + VNNI (Zen 4, Sapphire Rapids and later): a Vec is one zmm
 //           register, a dot product over bf16 pairs is one vdpbf16ps, over 16-bit integer pairs
 //           one vpdpwssd.
-//   amx:    avx512 with AMX-TILE and AMX-INT8 (Sapphire Rapids and later): the same layer (kAmx
-//           says so); the quantized kernels' many-row path multiplies on tiles (quantized.cpp).
+//   amx:    avx512 with AMX-TILE and AMX-INT8 (Sapphire Rapids and later): the same layer and
+//           tiles:: (NANOVLLM_SIMD_AMX says so), on which the quantized kernels' many-row path
+//           multiplies (quantized.cpp).
 //   avx2:   AVX2 + FMA + F16C (Haswell, Zen 1-3, Alder Lake): a Vec is two ymm registers; bf16
 //           widens to fp32 exactly (a shift or a mask: a bf16 is the top half of an fp32) and the
 //           pairs' products are two FMAs.
