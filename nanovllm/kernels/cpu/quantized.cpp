@@ -513,28 +513,21 @@ struct QuantizedRows {
   template <typename T>
   QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, bool lanes)
       : chunks(K / 32), q(M * K), scale(M * chunks), sum(M * chunks) {
-    const int64_t grouped = lanes ? K / 256 * 8 : 0;  // chunks a row in groups
-    parallel_for(0, M * chunks, 64, [&](int64_t begin, int64_t end) {
+    // A row's units: its groups (with lanes), then its other chunks one by one.
+    const int64_t groups = lanes ? K / 256 : 0, units = groups + chunks - 8 * groups;
+    parallel_for(0, M * units, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
-        const int64_t m = i / chunks, c = i % chunks;
-        const T* src = x + m * x_stride + 32 * c;
-        const simd::Vec lo = load16(src), hi = load16(src + 16);
-        const float amax = simd::reduce_max(simd::max(magnitude(lo), magnitude(hi)));
-        const float d = amax / 32767.0f;
-        const simd::Vec inv = simd::set1(d > 0.0f ? 1.0f / d : 0.0f);
-        int32_t rounded[32];
-        simd::store_int32(rounded, simd::mul(lo, inv));
-        simd::store_int32(rounded + 16, simd::mul(hi, inv));
-        int16_t* dst = q.data() + m * K + 32 * c;
-        int16_t* group = dst - 32 * (c % 8);
-        int total = 0;
-        for (int j = 0; j < 32; j++) {
-          const int16_t value = int16_t(rounded[j]);
-          (c < grouped ? group[16 * (j / 2) + 2 * (c % 8) + j % 2] : dst[j]) = value;
-          total += value;
+        const int64_t m = i / units, u = i % units;
+        if (u < groups) {
+          Words group[8];
+          for (int l = 0; l < 8; l++) group[l] = quantize(x + m * x_stride, m, 8 * u + l);
+          simd::Quad quads[4];
+          simd::chunks_to_quads(group, quads);
+          for (int j = 0; j < 4; j++) simd::store_quad(q.data() + m * K + 256 * u + 64 * j, quads[j]);
+        } else {
+          const int64_t c = 8 * groups + u - groups;
+          simd::store_words(q.data() + m * K + 32 * c, quantize(x + m * x_stride, m, c));
         }
-        scale[i] = d;
-        sum[i] = d * float(total);
       }
     });
   }
@@ -542,6 +535,18 @@ struct QuantizedRows {
   const int16_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
 
  private:
+  // Chunk c of a row of x (row m) to 16-bit integers, its scale and the values' sum recorded.
+  template <typename T>
+  Words quantize(const T* row, int64_t m, int64_t c) {
+    const simd::Vec lo = load16(row + 32 * c), hi = load16(row + 32 * c + 16);
+    const float amax = simd::reduce_max(simd::max(magnitude(lo), magnitude(hi)));
+    const float d = amax / 32767.0f;
+    const simd::Vec inv = simd::set1(d > 0.0f ? 1.0f / d : 0.0f);
+    const Words values = simd::round_words(simd::mul(lo, inv), simd::mul(hi, inv));
+    scale[m * chunks + c] = d;
+    sum[m * chunks + c] = d * float(simd::sum_words(values));
+    return values;
+  }
   static simd::Vec load16(const BFloat16* p) { return simd::load_bf16(p); }
   static simd::Vec load16(const float* p) { return simd::load(p); }
   static simd::Vec magnitude(simd::Vec v) { return simd::max(v, simd::sub(simd::zero(), v)); }
@@ -1064,10 +1069,10 @@ struct AmxX {
   }
 };
 
-// A block's decoded rows (DecodedRows) as the A tiles take them (for each tile of 16 rows and
-// each chunk, its 16 rows of 32 bytes), and the chunks' scales (two halves, the second unused
-// where a chunk has one scale) and offsets by row, a tail chunk's offset as RowSums keeps it
-// (tail_offsets); rows past the block's are zeros.
+// A block of a lanes format's rows as the A tiles take them (for each tile of 16 rows and each
+// chunk, its 16 rows of 32 bytes), and the chunks' scales (two halves, the second unused where a
+// chunk has one scale) and offsets by row, each as lanes_row_chunks gives it; rows past the
+// block's are zeros.
 struct AmxRows {
   int64_t tiles, chunks;
   std::vector<int8_t> values;  // [tile][chunk][16][32]
@@ -1078,9 +1083,9 @@ struct AmxRows {
       : tiles((rows + 15) / 16), chunks(K / 32), values(tiles * chunks * 512), scales(tiles * chunks * 32),
         offsets(tiles * chunks * 16) {}
 
+  // `rows` rows of F, w_stride bytes apart.
   template <class F>
-  void convert(const DecodedRows<F>& w, int64_t rows) {
-    constexpr int kHalves = DecodedRows<F>::kHalves;
+  void decode(const uint8_t* w, int64_t w_stride, int64_t rows) {
     for (int64_t r = rows; r < tiles * 16; r++)  // the last tile's rows past the block: zeros
       for (int64_t c = 0; c < chunks; c++) {
         const int64_t at = r / 16 * chunks + c, i = r % 16;
@@ -1088,23 +1093,13 @@ struct AmxRows {
         scales[at * 2 * 16 + i] = scales[(at * 2 + 1) * 16 + i] = offsets[at * 16 + i] = 0.0f;
       }
     for (int64_t r = 0; r < rows; r++)
-      for (int64_t g = 0; g < w.groups; g++) {
-        const float* s = w.scales_of(r, g);
-        for (int l = 0; l < 8; l++) {
-          const int64_t at = r / 16 * chunks + 8 * g + l, i = r % 16;
-          simd::tiles::store_chunk_bytes(w.vectors(r, g), l, &values[(at * 16 + i) * 32]);
-          for (int h = 0; h < kHalves; h++) scales[(at * 2 + h) * 16 + i] = s[8 * h + l];
-          offsets[at * 16 + i] = s[8 * kHalves + l];
-        }
-      }
-    for (int64_t r = 0; r < rows; r++)
-      for (int64_t t = 0; t < w.tail; t++) {
-        const int64_t at = r / 16 * chunks + 8 * w.groups + t, i = r % 16;
-        simd::tiles::store_chunk_bytes(reinterpret_cast<const int16_t*>(&w.tail_values[r * w.tail + t]), -1,
-                                       &values[(at * 16 + i) * 32]);
-        scales[at * 2 * 16 + i] = w.tail_scales[r * w.tail + t];
-        offsets[at * 16 + i] = w.tail_offsets[r * w.tail + t];
-      }
+      lanes_row_chunks<F>(w + r * w_stride, 32 * chunks, [&](int64_t c, Words q, Vec8 scale, float offset) {
+        const int64_t at = r / 16 * chunks + c, i = r % 16;
+        simd::tiles::store_bytes(q, &values[(at * 16 + i) * 32]);
+        scales[at * 2 * 16 + i] = simd::first_lane(scale);
+        if constexpr (F::kScalePer16) scales[(at * 2 + 1) * 16 + i] = simd::first_lane(simd::high_half(scale));
+        offsets[at * 16 + i] = offset;
+      });
   }
 };
 
@@ -1113,7 +1108,7 @@ struct AmxRows {
 // stay in registers through the row.
 template <class F>
 void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&out)[16][16]) {
-  constexpr int kHalves = DecodedRows<F>::kHalves;
+  constexpr int kHalves = F::kScalePer16 ? 2 : 1;
   const int64_t C = w.chunks;
   simd::tiles::Sums sums;
   simd::Vec lanes[8][16];  // RowSums' acc + offsets: [chunk % 8][weight row] over 16 rows of x
@@ -1156,23 +1151,26 @@ void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&o
   }
 }
 
-// A block of a part's rows (from r0, decoded in w) against every row of x, on tiles.
+// The first n of 16 outputs, as y's type.
+inline void store_outputs(float* y, simd::Vec x, int64_t n) { simd::store_first(y, x, n); }
+inline void store_outputs(BFloat16* y, simd::Vec x, int64_t n) { simd::store_bf16(y, x, n); }
+
+// A block of a part's rows (from r0, decoded in tiles) against every row of x, on tiles.
 template <class F, typename T>
-void amx_block(const DecodedRows<F>& w, AmxRows& tiles, const Part& part, int64_t r0, int64_t rows,
-               const AmxX& x, int64_t M, const float* bias, T* y, int64_t N) {
-  tiles.convert(w, rows);
-  simd::tiles::configure(32 / DecodedRows<F>::kHalves);
+void amx_block(const AmxRows& tiles, const Part& part, int64_t r0, int64_t rows, const AmxX& x, int64_t M,
+               const float* bias, T* y, int64_t N) {
+  simd::tiles::configure(F::kScalePer16 ? 16 : 32);
   constexpr int64_t kPanelTiles = 6;  // x tiles a weight tile meets in turn, in cache meanwhile
   for (int64_t p0 = 0; p0 < x.tiles; p0 += kPanelTiles)
     for (int64_t nt = 0; nt < tiles.tiles; nt++)
       for (int64_t mt = p0; mt < std::min(x.tiles, p0 + kPanelTiles); mt++) {
         float out[16][16];
         amx_tile<F>(tiles, nt, x, mt, out);
-        for (int64_t r = 0; r < std::min<int64_t>(16, rows - 16 * nt); r++) {
-          const int64_t n = part.first + r0 + 16 * nt + r;
-          for (int64_t m = 0; m < std::min<int64_t>(16, M - 16 * mt); m++)
-            y[(16 * mt + m) * N + n] = T(out[r][m] + (bias != nullptr ? bias[n] : 0.0f));
-        }
+        // Row m of x's 16 outputs, over 16 consecutive weight rows: a column of out.
+        const int64_t n0 = part.first + r0 + 16 * nt, live = std::min<int64_t>(16, rows - 16 * nt);
+        const simd::Vec b = bias != nullptr ? simd::load_first(bias + n0, live, 0.0f) : simd::zero();
+        for (int64_t m = 0; m < std::min<int64_t>(16, M - 16 * mt); m++)
+          store_outputs(y + (16 * mt + m) * N + n0, simd::add(simd::tiles::column(out, int(m)), b), live);
       }
   simd::tiles::release();
 }
@@ -1194,23 +1192,27 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
   for (const Part& part : parts)
     for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
   parallel_for(0, int64_t(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-    DecodeBuffers buffers(per_block, K);
 #if defined(NANOVLLM_SIMD_AMX)
     std::optional<AmxRows> amx_rows;
     if (amx_x) amx_rows.emplace(per_block, K);
 #endif
+    std::optional<DecodeBuffers> buffers;  // the AVX tiles' (not made where AMX tiles multiply)
     for (int64_t b = begin; b < end; b++) {
       const auto [part, r0] = blocks[b];
       const int64_t rows = std::min<int64_t>(per_block, part->rows - r0);
       with_format(part->type, [&](auto format) {
         using F = decltype(format);
         if constexpr (F::kWholeRow) {
-          static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
-          DecodedRows<F> w = buffers.rows<F>();
-          w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
 #if defined(NANOVLLM_SIMD_AMX)
-          if (amx_x) return amx_block<F>(w, *amx_rows, *part, r0, rows, *amx_x, M, bias, y, N);
+          if (amx_x) {
+            amx_rows->decode<F>(part->w + r0 * part->w_stride, part->w_stride, rows);
+            return amx_block<F>(*amx_rows, *part, r0, rows, *amx_x, M, bias, y, N);
+          }
 #endif
+          static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
+          if (!buffers) buffers.emplace(per_block, K);
+          DecodedRows<F> w = buffers->rows<F>();
+          w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
           // A panel of x's rows at a time stays in L1 and L2 while each weight tile meets all of them.
           for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
             const int64_t p1 = std::min(M, p0 + kPanelRows);

@@ -100,8 +100,7 @@ inline Vec load_first(const float* p, int64_t n, float fill) {
 }
 inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x.v); }
-// The lanes rounded to the nearest integer (ties to even, as std::nearbyint) and stored at p.
-inline void store_int32(int32_t* p, Vec x) { _mm512_storeu_si512(p, _mm512_cvtps_epi32(x.v)); }
+inline void store_first(float* p, Vec x, int64_t n) { _mm512_mask_storeu_ps(p, first(n), x.v); }
 inline Vec widen_bf16(__m256i x) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))}; }
 // min(n, 16) bf16 values from p widened to fp32; the rest are 0.
 inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return widen_bf16(_mm256_maskz_loadu_epi16(first(n), p)); }
@@ -176,11 +175,6 @@ inline __m512i chunk_at(const int16_t* p, int l) {
   return l < 0 ? _mm512_loadu_si512(p) : chunk_words(p, l);
 }
 
-// The chunk's values as bytes, in order (each must fit one byte, signed or unsigned: the caller
-// knows its format's range): the rows of the A tile.
-inline void store_chunk_bytes(const int16_t* p, int l, int8_t* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(chunk_at(p, l)));
-}
 
 // The chunk's values' high and low bytes as column `column` of B tiles (TDPB*D's layout: eight
 // rows of 64 bytes, values 4k to 4k + 3 of each of 16 columns in row k).
@@ -189,6 +183,12 @@ inline void store_chunk_column(const int16_t* p, int l, uint8_t* high, uint8_t* 
   const __m512i words = chunk_at(p, l);
   _mm256_i32scatter_epi32(high + 4 * column, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
   _mm256_i32scatter_epi32(low + 4 * column, rows, _mm512_cvtepi16_epi8(words), 4);
+}
+
+// Column m of a 16 x 16 block of fp32: its rows' element m.
+inline Vec column(const float (&block)[16][16], int m) {
+  const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  return {_mm512_i32gather_ps(rows, &block[0][m], 4)};
 }
 
 struct alignas(64) Config {
@@ -301,10 +301,6 @@ inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p 
 inline void store(float* p, Vec x) {
   _mm256_storeu_ps(p, x.lo);
   _mm256_storeu_ps(p + 8, x.hi);
-}
-inline void store_int32(int32_t* p, Vec x) {
-  _mm256_storeu_si256((__m256i*)p, _mm256_cvtps_epi32(x.lo));
-  _mm256_storeu_si256((__m256i*)(p + 8), _mm256_cvtps_epi32(x.hi));
 }
 inline __m256 widen8(__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); }
 inline Vec widen_bf16(__m256i x) { return {widen8(_mm256_castsi256_si128(x)), widen8(_mm256_extracti128_si256(x, 1))}; }
@@ -436,9 +432,6 @@ inline uint32_t positive_lanes(Vec x) {
 inline Vec load_first(const float* p, int64_t n, float fill) { return map([&](int j) { return j < n ? p[j] : fill; }); }
 inline Vec load(const float* p) { return map([&](int j) { return p[j]; }); }
 inline void store(float* p, Vec x) { std::memcpy(p, x.v, sizeof(x.v)); }
-inline void store_int32(int32_t* p, Vec x) {
-  for (int j = 0; j < 16; j++) p[j] = int32_t(std::nearbyint(x.v[j]));
-}
 inline Vec load_bf16(const BFloat16* p, int64_t n = 16) { return map([&](int j) { return j < n ? float(p[j]) : 0.0f; }); }
 inline void store_bf16(BFloat16* p, Vec x, int64_t n = 16) {
   for (int j = 0; j < 16 && j < n; j++) p[j] = BFloat16(x.v[j]);
@@ -684,6 +677,47 @@ inline void quads_to_chunks(const Quad q[4], Words out[8]) {
   transpose8(q[2].v, hi);  // vectors 8-15: values 16-31
   for (int c = 0; c < 8; c++) out[c] = {lo[c], hi[c]};
 }
+// quads_to_chunks reversed: eight chunks (x's, quantized) as a group's four quads.
+inline void chunks_to_quads(const Words in[8], Quad q[4]) {
+  __m256i lo[8], hi[8];
+  for (int c = 0; c < 8; c++) lo[c] = in[c].lo, hi[c] = in[c].hi;
+  transpose8(lo, q[0].v);  // vectors 0-7 (quads 0 and 1)
+  transpose8(hi, q[2].v);
+}
+// 32 fp32 values (lo: 0-15, hi: 16-31), each within int16's range, rounded to the nearest
+// integer (ties to even: the default rounding, std::nearbyint's).
+#if defined(NANOVLLM_SIMD_AVX512)
+inline Words round_words(Vec lo, Vec hi) {
+  return {_mm512_cvtepi32_epi16(_mm512_cvtps_epi32(lo.v)), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(hi.v))};
+}
+#else
+inline __m256i round_halves(Vec x) {  // packs interleaves 128-bit halves; the permute restores the order
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(_mm256_cvtps_epi32(x.lo), _mm256_cvtps_epi32(x.hi)), 0xd8);
+}
+inline Words round_words(Vec lo, Vec hi) { return {round_halves(lo), round_halves(hi)}; }
+#endif
+// The 32 values' sum, exact.
+inline int32_t sum_words(Words w) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w.lo, ones), _mm256_madd_epi16(w.hi, ones));
+  __m128i r = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, 0xb1)));
+}
+inline void store_words(int16_t* p, Words w) {
+  _mm256_storeu_si256((__m256i*)p, w.lo);
+  _mm256_storeu_si256((__m256i*)p + 1, w.hi);
+}
+#if defined(NANOVLLM_SIMD_AMX)
+namespace tiles {
+// The 32 values as bytes, in order (each must fit one byte, signed or unsigned: the caller knows
+// its format's range): a row of an A tile.
+inline void store_bytes(Words w, int8_t* out) {
+  const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(w.lo), w.hi, 1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(words));
+}
+}  // namespace tiles
+#endif
 // Eight fp16 values converted.
 inline Vec8 halves_at(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))}; }
 inline Vec8 load8(const float* p) { return {_mm256_loadu_ps(p)}; }
@@ -895,6 +929,21 @@ inline void quads_to_chunks(const Quad q[4], Words out[8]) {
   for (int c = 0; c < 8; c++)
     for (int j = 0; j < 32; j++) out[c].v[j] = q[j / 8].v[(j / 2) % 4][2 * c + j % 2];
 }
+inline void chunks_to_quads(const Words in[8], Quad q[4]) {
+  for (int c = 0; c < 8; c++)
+    for (int j = 0; j < 32; j++) q[j / 8].v[(j / 2) % 4][2 * c + j % 2] = in[c].v[j];
+}
+inline Words round_words(Vec lo, Vec hi) {
+  Words w;
+  for (int j = 0; j < 16; j++) w.v[j] = int16_t(std::nearbyint(lo.v[j])), w.v[j + 16] = int16_t(std::nearbyint(hi.v[j]));
+  return w;
+}
+inline int32_t sum_words(Words w) {
+  int32_t s = 0;
+  for (int16_t v : w.v) s += v;
+  return s;
+}
+inline void store_words(int16_t* p, Words w) { std::memcpy(p, w.v, 64); }
 inline Sums zero_sums() { return Sums{}; }
 inline void widen_block(Words q, Vec8 out[4]) {
   for (int g = 0; g < 4; g++) out[g] = map8([&](int j) { return float(q.v[8 * g + j]); });
