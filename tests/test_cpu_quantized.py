@@ -12,6 +12,8 @@ layer whose projections differ in type: each part its own type's product, and a 
 q/k/v and gate/up mix types loads every layer in blocks.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -219,6 +221,43 @@ def test_a_file_mixing_types_in_packed_layers_keeps_every_layer_in_blocks(tmp_pa
     outs = [[(o.token_ids, o.cumulative_logprob) for o in llm.generate(prompt * 2, greedy, use_tqdm=False)[0].outputs]
             for llm in (fused, eager)]
     assert outs[0] == outs[1]
+
+
+def mapping_of(address: int) -> tuple[int, int, set[str]]:
+    """The start, end and VmFlags of this process's mapping that holds `address`."""
+    found = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(a, 16) for a in head.split("-"))
+            found = (start, end) if start <= address < end else None
+        elif found and line.startswith("VmFlags:"):
+            return (*found, set(line.split()[1:]))
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_block_weights_lie_in_one_huge_page_arena(tmp_path):
+    """A decode step streams every block weight: they are moved into one mapping advised for
+    transparent huge pages ('hg'), from a 2 MB boundary, and still compute what the file says."""
+    shape = TwinShape("qwen3", 256, 512, 2, 4, 2, 64, 320, 10000.0, 1e-6, 256, True)
+    path = write_tiny_gguf(tmp_path / "q4_k.gguf", shape, lambda name: "Q4_K" if name.startswith("blk") else "Q8_0")
+    llm = LLM(path, dtype="float32", enforce_eager=True, num_kvcache_blocks=16, max_model_len=128)
+    model = llm.llm_engine.executor.model
+    weights = [m.weight for m in model.modules() if isinstance(getattr(m, "linear_method", None), CPUGGUFLinearMethod)]
+    assert len(weights) == 2 + 4 * shape.num_hidden_layers  # the embedding and the LM head tied
+    assert model.model.embed_tokens.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    starts = sorted({w.data_ptr() for w in weights})
+    start, end, flags = mapping_of(starts[0])
+    assert "hg" in flags and starts[0] % (2 << 20) == 0
+    assert all(start <= w.data_ptr() and w.data_ptr() + w.nbytes <= end for w in weights)
+    dense = LLM(path, dtype="float32", enforce_eager=True, quantization="dense", num_kvcache_blocks=16,
+                max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = [list(range(3, 40))]
+    logprobs = [[next(iter(p.values())).logprob for p in out.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:]]
+                for out in (llm, dense)]
+    torch.testing.assert_close(torch.tensor(logprobs[0]), torch.tensor(logprobs[1]), rtol=0, atol=2e-3)
 
 
 def test_a_row_stride_wider_than_the_blocks_and_bad_input():

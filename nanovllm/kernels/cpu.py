@@ -221,6 +221,9 @@ def pack_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) ->
     return padded.contiguous() if out is None else out.copy_(padded)
 
 
+HUGE_PAGE_BYTES = 2 << 20
+
+
 def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
     """A CPU tensor in fresh private memory: a page is only allocated (and zeroed by the OS,
     so it never holds another allocation's garbage) when first written. With `huge_pages` the
@@ -231,10 +234,38 @@ def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:  # mmap cannot map nothing
         return torch.empty(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+    huge_pages = huge_pages and hasattr(mmap, "MADV_HUGEPAGE")  # Linux
+    # A huge page backs only a 2 MB-aligned range: start the tensor at one (the slack before it
+    # is never written, so never allocated).
+    slack = HUGE_PAGE_BYTES if huge_pages else 0
+    buffer = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages:
         buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the buffer alive
+    mapped = torch.frombuffer(buffer, dtype=torch.uint8)  # the tensor keeps the buffer alive
+    start = -mapped.data_ptr() % slack if huge_pages else 0
+    return mapped[start:start + nbytes].view(dtype).view(shape)
+
+
+def move_to_huge_pages(weights: list[torch.Tensor]) -> None:
+    """Move each weight's data (a parameter's, contiguous) into one arena in transparent huge
+    pages, 64-byte aligned: for weights a decode step streams, which in 4 KB pages read far
+    slower (a page walk every 4 KB, and the hardware prefetchers stop at every page's end;
+    figures in benchmarks/RESULTS.md). Weights that share their data (a tied embedding and LM
+    head) move together, once."""
+    shared: dict[int, list[torch.Tensor]] = {}
+    for weight in weights:
+        shared.setdefault(weight.data_ptr(), []).append(weight)
+    if not shared:
+        return
+    spans = [-(-same[0].nbytes // 64) * 64 for same in shared.values()]
+    arena = empty_mapped((sum(spans),), torch.uint8, huge_pages=True)
+    offset = 0
+    for same, span in zip(shared.values(), spans):
+        first = same[0].data
+        moved = arena[offset:offset + first.nbytes].view(first.dtype).view(first.shape).copy_(first)
+        for weight in same:
+            weight.data = moved
+        offset += span
 
 
 def onednn_pack(weight: torch.Tensor, owner: object) -> torch.Tensor:

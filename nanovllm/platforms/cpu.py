@@ -91,6 +91,8 @@ class CPUPlatform(Platform):
         return self.dtype == torch.bfloat16 and cpu_kernels.has_simd_kernels()
 
     def prepare_model(self, model: nn.Module) -> None:
+        cpu_kernels.move_to_huge_pages([m.weight for m in model.modules()
+                                        if getattr(getattr(m, "linear_method", None), "streams_weight", False)])
         if not self._on_kernels():
             return
         # Every layer that multiplies a dense bf16 weight (an embedding alone only looks rows up).

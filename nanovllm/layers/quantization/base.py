@@ -15,6 +15,10 @@ class LinearMethod(ABC):
     `apply` runs the product, and `embed` looks rows up where the weight is an embedding's.
     Chosen once, at load time: no layer checks a device or a flag."""
 
+    # Whether a step streams the whole loaded weight from memory (few rows of x against every
+    # weight row), so that the platform should lay it where memory reads fastest.
+    streams_weight: bool = False
+
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None: ...
 

@@ -44,6 +44,8 @@ class _BlocksMethod(LinearMethod):
     """What both block methods share: installed on a built layer in place of its dense weight (not
     yet loaded), and the check of what a checkpoint hands the weight loader."""
 
+    streams_weight = True  # a decode step reads every block
+
     def install(self, layer: nn.Module) -> None:
         output_size, input_size = layer.weight.shape
         self.create_weights(layer, input_size, output_size, bias=False)
