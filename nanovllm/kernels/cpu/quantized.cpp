@@ -1059,9 +1059,11 @@ struct AmxX {
       for (int64_t m = begin; m < end; m++)
         for (int64_t c = 0; c < chunks; c++) {
           const int64_t at = m / 16 * chunks + c;
-          const bool grouped = c < x.chunks / 8 * 8;  // else a tail chunk, its values in order
-          simd::tiles::store_chunk_column(x.values(m, grouped ? c / 8 * 8 : c), grouped ? int(c % 8) : -1,
-                                          &high[at * 512], &low[at * 512], int(m % 16));
+          if (c < x.chunks / 8 * 8)
+            simd::tiles::store_chunk_column(x.values(m, c / 8 * 8), int(c % 8), &high[at * 512], &low[at * 512],
+                                            int(m % 16));
+          else  // a tail chunk, its values in order
+            simd::tiles::store_tail_column(x.values(m, c), &high[at * 512], &low[at * 512], int(m % 16));
           scale[at * 16 + m % 16] = x.scale[m * chunks + c];
           sum[at * 16 + m % 16] = x.sum[m * chunks + c];
         }

@@ -169,20 +169,20 @@ inline __m512i chunk_words(const int16_t* group, int l) {
   return _mm512_i32gather_epi32(index, group, 4);
 }
 
-// A chunk's 32 values in order: chunk l of a group in the lanes layout, or (l < 0) the 32
-// words at p (a row's tail chunk).
-inline __m512i chunk_at(const int16_t* p, int l) {
-  return l < 0 ? _mm512_loadu_si512(p) : chunk_words(p, l);
-}
-
-
-// The chunk's values' high and low bytes as column `column` of B tiles (TDPB*D's layout: eight
-// rows of 64 bytes, values 4k to 4k + 3 of each of 16 columns in row k).
-inline void store_chunk_column(const int16_t* p, int l, uint8_t* high, uint8_t* low, int column) {
+// 32 words' high and low bytes as column `column` of B tiles (TDPB*D's layout: eight rows of 64
+// bytes, values 4k to 4k + 3 of each of 16 columns in row k).
+inline void store_column(__m512i words, uint8_t* high, uint8_t* low, int column) {
   const __m256i rows = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
-  const __m512i words = chunk_at(p, l);
   _mm256_i32scatter_epi32(high + 4 * column, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
   _mm256_i32scatter_epi32(low + 4 * column, rows, _mm512_cvtepi16_epi8(words), 4);
+}
+// Chunk l of a group in the lanes layout as column `column` of x's B tiles.
+inline void store_chunk_column(const int16_t* group, int l, uint8_t* high, uint8_t* low, int column) {
+  store_column(chunk_words(group, l), high, low, column);
+}
+// A row's tail chunk (32 words in order) as column `column` of x's B tiles.
+inline void store_tail_column(const int16_t* chunk, uint8_t* high, uint8_t* low, int column) {
+  store_column(_mm512_loadu_si512(chunk), high, low, column);
 }
 
 // Column m of a 16 x 16 block of fp32: its rows' element m.
