@@ -6,8 +6,9 @@ The streaming kernel (few rows, x quantized to 16-bit blocks): against the fp32 
 dequantized weight and x, for rows in one pass, in passes split evenly, bf16 and fp32 x, with a
 bias. The tiled kernel (many rows): the streaming kernel's results bit for bit, and each row's
 alone (batch invariance). Real tensors of each type of the default file too. The lanes layouts (every type
-repacked at load): dequantized bit for bit as the file's blocks, and both paths the blocks' own results, for
-rows of whole groups of 256 values, with a tail of blocks, and shorter than a group. A packed
+repacked at load; the products take no other): dequantized bit for bit as the file's blocks, and both paths
+within fp32 sums of the product as the kernels define it (x rounded to 16-bit chunks, in float64), for rows
+of whole groups of 256 values, with a tail of blocks, and shorter than a group. A packed
 layer whose projections differ in type: each part its own type's product, and a GGUF file whose
 q/k/v and gate/up mix types loads every layer in blocks.
 """
@@ -40,6 +41,21 @@ def reference_dequantize(blocks: torch.Tensor, qtype: str, in_features: int) -> 
     return torch.from_numpy(values.reshape(blocks.shape[0], in_features).copy())
 
 
+def reference_product(x: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """x W^T as the kernels define it, in float64: each 32 values of x rounded to 16-bit integers
+    at the chunk's fp32 scale (its largest magnitude over 32767; ties to even), times the weight
+    dequantized by gguf-py. Only the kernels' fp32 sums differ from it."""
+    chunks = x.float().reshape(x.shape[0], -1, 32)
+    scale = chunks.abs().amax(-1, keepdim=True) / 32767.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    rounded = torch.round(chunks * inverse).double() * scale.double()
+    return rounded.reshape(x.shape[0], -1) @ reference_dequantize(blocks, qtype, in_features).double().T
+
+
+def assert_near_reference(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_every_block_type_is_tested():
     assert set(BLOCK_TYPES) <= set(GGUF_SCALE_OFFSETS)
 
@@ -61,7 +77,7 @@ def test_streaming_kernel_is_the_product(qtype, m, dtype):
     blocks = random_blocks(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     bias = torch.randn(n).to(dtype)
-    y = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], bias, 16)
+    y = torch.ops.nanovllm_cpu.gguf_linear(x, *kernel_blocks(blocks, qtype, k), bias, 16)
     expected = x.float() @ reference_dequantize(blocks, qtype, k).T + bias.float()
     assert y.dtype == dtype and y.shape == (m, n)
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2
@@ -108,8 +124,9 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
     for m in (1, 2, 5, 10, 40):  # streaming in one pass, in two; tiled
         x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
         got = torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 10)
-        expected = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 10)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        assert_near_reference(got, reference_product(x, blocks, qtype, in_features))
+    with pytest.raises(RuntimeError, match=f"type {BLOCK_TYPES[qtype]} is not a lanes layout"):
+        torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 10)
 
 
 @pytest.mark.parametrize("qtype,in_features", [("Q4_1", 576), ("Q4_K", 768), ("Q6_K", 512)])
@@ -126,47 +143,37 @@ def test_the_method_repacks_once_into_lanes(qtype, in_features):
     assert method.kernel_type == LANES_TYPE_BASE + BLOCK_TYPES[qtype]
     assert torch.equal(layer.weight, torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features))
     x = torch.randn(3, in_features)
-    expected = torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 10)
-    torch.testing.assert_close(method.apply(layer, x, None), expected, rtol=1e-5,
-                               atol=1e-5 * expected.abs().max().item())
+    assert_near_reference(method.apply(layer, x, None), reference_product(x, blocks, qtype, in_features))
     ids = torch.tensor([5, 0, 7])
     torch.testing.assert_close(method.embed(layer, ids), reference_dequantize(blocks, qtype, in_features)[ids])
 
 
-@pytest.mark.parametrize("lanes", [True, False])
-def test_parts_of_differing_types_are_each_parts_product(lanes):
-    """Rows of several types one after another: each part's columns are its own product (both
-    paths, a bias across the parts); the table must describe the bytes exactly."""
+def test_parts_of_differing_types_are_each_parts_product():
+    """Rows of several types one after another: each part's columns are its own product, bit for
+    bit (both paths, a bias across the parts); the table must describe the bytes exactly, in lanes
+    layouts only."""
     k = 768
     parts = [("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 9), ("Q4_1", 33)]
-    rows = [random_blocks(qtype, n, k, seed=i) for i, (qtype, n) in enumerate(parts)]
-    if lanes:
-        rows, types = zip(*(kernel_blocks(r, qtype, k) for r, (qtype, _) in zip(rows, parts)))
-    else:
-        types = [BLOCK_TYPES[qtype] for qtype, _ in parts]
+    files = [random_blocks(qtype, n, k, seed=i) for i, (qtype, n) in enumerate(parts)]
+    rows, types = zip(*(kernel_blocks(r, qtype, k) for r, (qtype, _) in zip(files, parts)))
     blocks = torch.cat([r.reshape(-1) for r in rows])
     table = torch.tensor([(n, t) for (_, n), t in zip(parts, types)])
     n = sum(n for _, n in parts)
     bias = torch.randn(n)
-    for m in (1, 3, 10, 11, 40):  # streaming in one pass and in two; tiled (lanes)
+    for m in (1, 3, 10, 11, 40):  # streaming in one pass and in two; tiled
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         got = torch.ops.nanovllm_cpu.gguf_linear_parts(x, blocks, table, n, bias, 10)
         each = [torch.ops.nanovllm_cpu.gguf_linear(x, r, t, None, 10) for r, t in zip(rows, types)]
-        expected = torch.cat(each, 1) + bias
-        if lanes:  # the same sums in the same order
-            assert torch.equal(got, expected)
-        else:  # the file's layout sums a decode's rows four at a time where a task has four left
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        assert torch.equal(got, torch.cat(each, 1) + bias)  # the same sums in the same order
     x = torch.randn(2, k)
     with pytest.raises(RuntimeError, match="the parts' rows take"):
         torch.ops.nanovllm_cpu.gguf_linear_parts(x, blocks[:-1], table, n, None, 10)
     with pytest.raises(RuntimeError, match="not out_features=7"):
         torch.ops.nanovllm_cpu.gguf_linear_parts(x, blocks, table, 7, None, 10)
-    if lanes:  # a lanes part beside one in the file's own layout
-        mixed = torch.tensor([(40, types[0]), (24, BLOCK_TYPES["Q6_K"])])
-        with pytest.raises(RuntimeError, match="all in lanes layouts or none"):
-            torch.ops.nanovllm_cpu.gguf_linear_parts(x, torch.cat([rows[0].reshape(-1), random_blocks("Q6_K", 24, k).reshape(-1)]),
-                                                     mixed, 64, None, 10)
+    mixed = torch.tensor([(40, types[0]), (24, BLOCK_TYPES["Q6_K"])])  # a part in the file's own layout
+    with pytest.raises(RuntimeError, match="type 14 is not a lanes layout"):
+        torch.ops.nanovllm_cpu.gguf_linear_parts(x, torch.cat([rows[0].reshape(-1), files[1].reshape(-1)]), mixed, 64,
+                                                 None, 10)
 
 
 def test_the_parts_method_loads_each_shard_in_its_own_type():
@@ -262,13 +269,14 @@ def test_block_weights_lie_in_one_huge_page_arena(tmp_path):
 
 def test_a_row_stride_wider_than_the_blocks_and_bad_input():
     blocks = random_blocks("Q4_0", 8, 64)
-    wide = torch.zeros(8, blocks.shape[1] + 6, dtype=torch.uint8)
-    wide[:, :blocks.shape[1]] = blocks
+    lanes, kind = kernel_blocks(blocks, "Q4_0", 64)
+    wide = torch.zeros(8, lanes.shape[1] + 6, dtype=torch.uint8)
+    wide[:, :lanes.shape[1]] = lanes
     x = torch.randn(2, 64)
-    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(x, wide[:, :blocks.shape[1]], 2, None, 16),
-                               torch.ops.nanovllm_cpu.gguf_linear(x, blocks, 2, None, 16))
+    assert torch.equal(torch.ops.nanovllm_cpu.gguf_linear(x, wide[:, :lanes.shape[1]], kind, None, 16),
+                       torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 16))
     with pytest.raises(RuntimeError, match="not a multiple"):
-        torch.ops.nanovllm_cpu.gguf_linear(torch.randn(1, 48), blocks, 2, None, 16)
+        torch.ops.nanovllm_cpu.gguf_linear(torch.randn(1, 48), lanes, kind, None, 16)
     with pytest.raises(RuntimeError, match="GGUF type 10 has no kernel"):
         torch.ops.nanovllm_cpu.gguf_dequantize(blocks, 10, 64)
 
@@ -285,14 +293,11 @@ def test_real_tensors_of_the_default_file(name):
     qtype, k = info.tensor_type.name, info.shape[1]
     weight = reference_dequantize(blocks, qtype, k)
     assert torch.equal(torch.ops.nanovllm_cpu.gguf_dequantize(blocks, BLOCK_TYPES[qtype], k), weight)
-    few, many = torch.randn(4, k), torch.randn(40, k)
-    expected = few @ weight.T  # x in 16-bit blocks: to ~2^-15 of each block's largest value
-    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(few, blocks, BLOCK_TYPES[qtype], None, 16),
-                               expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
     lanes, kind = kernel_blocks(blocks, qtype, k)
-    expected = many @ weight.T
-    torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(many, lanes, kind, None, 16),
-                               expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+    for x in (torch.randn(4, k), torch.randn(40, k)):  # streamed, tiled
+        expected = x @ weight.T  # x in 16-bit blocks: to ~2^-15 of each block's largest value
+        torch.testing.assert_close(torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 16),
+                                   expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
 
 
 def test_lm_head_logits_are_the_kernels_fp32_sums():
@@ -300,9 +305,12 @@ def test_lm_head_logits_are_the_kernels_fp32_sums():
     1/16: a small model's top tokens then tie)."""
     blocks = random_blocks("Q8_0", 64, 128)
     head = torch.nn.Module()
-    head.weight = torch.nn.Parameter(blocks, requires_grad=False)
     hidden = torch.randn(3, 128).bfloat16()
-    logits = CPUGGUFLinearMethod("Q8_0", torch.bfloat16).logits(head, hidden)
+    method = CPUGGUFLinearMethod("Q8_0", torch.bfloat16)
+    method.create_weights(head, 128, 64, bias=False)
+    head.weight.data.copy_(blocks)
+    method.process_weights_after_loading(head)
+    logits = method.logits(head, hidden)
     expected = hidden.float() @ reference_dequantize(blocks, "Q8_0", 128).T
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -20,7 +20,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const st
 at::Tensor onednn_pack(const at::Tensor& weight);
 void onednn_release(const at::Tensor& handle);
 
-// quantized.cpp
+// quantized.cpp. The products take rows in a lanes layout (type 1000 + the file's), which
+// gguf_repack makes from the file's rows; gguf_dequantize reads either.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                        const std::optional<at::Tensor>& bias, int64_t max_streaming_rows);
 // A packed layer's projections in blocks of differing types: their rows one after another in
@@ -30,7 +31,7 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, cons
                              int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows);
 int64_t gguf_parts_rows(const at::Tensor& parts);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features);
-// Q8_0, Q4_0 or Q4_1 rows in their Lanes layout (type 1000 + theirs), the same bytes a row.
+// A file's rows in their format's lanes layout (type 1000 + theirs).
 at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_features);
 
 // attention.cpp

@@ -1,7 +1,9 @@
-// gguf_linear / gguf_dequantize: y = x W^T (+ b) over a weight kept in a GGUF block format (Q8_0,
-// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), rows as the file stores them: [N, row bytes], K/block blocks a row.
+// gguf_linear: y = x W^T (+ b) over a weight kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), its rows [N, row bytes] repacked at load (gguf_repack)
+// from the file's layout into the format's lanes layout, the only one the products read.
 // gguf_linear_parts: the same over a packed layer whose projections differ in format, each part's
 // rows in its own, in one call (x quantized once, one parallel region over every part's rows).
+// gguf_dequantize: rows of either layout to fp32 (an embedding's looked-up rows; tests).
 //
 // Every step multiplies as llama.cpp does, in integers: each row of x is quantized once to blocks
 // of 32 with an fp32 scale (and its sum, for the formats with an offset), and each 32 values of a
@@ -46,8 +48,8 @@ inline float half_at(const uint8_t* p) {
 // Each format as the kernels see it: a block of kValues values in kBytes bytes, visited as chunks
 // of 32 values: visit(chunk, q, scale, offset) where value j of the chunk is q[j] * scale + offset,
 // the scale one for the chunk or, where kScalePer16, one per 16 values (lanes 0-3 and 4-7 of the
-// Vec8, as dot_halves leaves the sums), and the offset 0 where not kOffset. kType is the GGML type
-// id. The layouts are ggml's (gguf-py's quants.py reads them the same way).
+// Vec8), and the offset 0 where not kOffset. kType is the GGML type id. The layouts are ggml's
+// (gguf-py's quants.py reads them the same way).
 // A block's fp16 scales are read four bytes at a time (two_halves_at: one load and one
 // conversion, not one of each per value); where a block has one, the other half is its first
 // quantized bytes, unused.
@@ -508,13 +510,13 @@ struct QuantizedRows {
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
 
-  // With `lanes`, each row's groups of eight chunks are laid out as the Lanes formats' quads
-  // (value j of a group's chunk l in vector j / 2, word 2l + j % 2); the last K % 256 values in order.
+  // Each row's groups of eight chunks are laid out as the lanes formats' quads (value j of a
+  // group's chunk l in vector j / 2, word 2l + j % 2); the last K % 256 values in order.
   template <typename T>
-  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, bool lanes)
+  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K)
       : chunks(K / 32), q(M * K), scale(M * chunks), sum(M * chunks) {
-    // A row's units: its groups (with lanes), then its other chunks one by one.
-    const int64_t groups = lanes ? K / 256 : 0, units = groups + chunks - 8 * groups;
+    // A row's units: its groups, then its other chunks one by one.
+    const int64_t groups = K / 256, units = groups + chunks - 8 * groups;
     parallel_for(0, M * units, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t m = i / units, u = i % units;
@@ -531,7 +533,7 @@ struct QuantizedRows {
       }
     });
   }
-  // Chunk c of row m; with lanes, c's group where c is in one.
+  // Chunk c of row m; c's group where c is in one.
   const int16_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
 
  private:
@@ -551,82 +553,6 @@ struct QuantizedRows {
   static simd::Vec load16(const float* p) { return simd::load(p); }
   static simd::Vec magnitude(simd::Vec v) { return simd::max(v, simd::sub(simd::zero(), v)); }
 };
-
-// One block of a weight row decoded, its chunks ready for several rows of x.
-template <class F>
-struct DecodedBlock {
-  static constexpr int kChunks = F::kValues / 32;
-  Words q[kChunks];
-  Vec8 scale[kChunks];
-  float offset[kChunks];
-  void decode(const uint8_t* block) {
-    F::chunks(block, 0, [&](int64_t c, Words values, Vec8 chunk_scale, float off) {
-      q[c] = values;
-      scale[c] = chunk_scale;
-      offset[c] = off;
-    });
-  }
-};
-
-// out[r * P + m] = weight row r . x row m0 + m, for R consecutive weight rows and P rows of x.
-// Chunks go round-robin to U accumulators a row of x, so that few rows still have independent
-// sums in flight. The R weight rows are read one after another (one stream: several rows side
-// by side are more streams than the hardware prefetcher follows well from memory), and their
-// sums reduced together at the end, so that a call's set-up and each row's reduction overlap
-// with work of the next row.
-template <class F, int P, int R = 1>
-void dot_rows(const uint8_t* w, int64_t w_stride, int64_t K, const QuantizedRows& x, int64_t m0, float* out) {
-  constexpr int kChunks = F::kValues / 32;
-  constexpr int U = P == 1 ? (R == 1 ? 4 : 2) : P == 2 ? 2 : 1;
-  constexpr int G = U > kChunks ? U / kChunks : 1;  // blocks a step, so that the accumulator is constant
-  Vec8 acc[R][P][U];
-  float offsets[R][P][U];  // as many chains as the vector sums: one would bound a chunk by its latency
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < P; m++)
-      for (int u = 0; u < U; u++) {
-        acc[r][m][u] = simd::zero8();
-        offsets[r][m][u] = 0.0f;
-      }
-  const int64_t blocks = K / F::kValues;
-#pragma GCC unroll 4
-  for (int r = 0; r < R; r++) {
-    const uint8_t* row = w + r * w_stride;
-    for (int64_t b0 = 0; b0 < blocks; b0 += G) {
-#pragma GCC unroll 4
-      for (int g = 0; g < G; g++) {
-        const int64_t b = b0 + g;
-        if (G > 1 && b >= blocks) break;
-        DecodedBlock<F> block;
-        block.decode(row + b * F::kBytes);
-#pragma GCC unroll 8
-        for (int c = 0; c < kChunks; c++) {
-          const int64_t chunk = b * kChunks + c;
-          const int u = (g * kChunks + c) % U;
-#pragma GCC unroll 8
-          for (int m = 0; m < P; m++) {
-            const int64_t xc = (m0 + m) * x.chunks + chunk;
-            const Words xq = simd::load_words(x.values(m0 + m, chunk));
-            const simd::Sums dot = F::kScalePer16 ? simd::dot_halves(block.q[c], xq) : simd::dot(block.q[c], xq);
-            acc[r][m][u] = simd::fmadd8(simd::to_float(dot), simd::mul8(block.scale[c], simd::set1_8(x.scale[xc])),
-                                        acc[r][m][u]);
-            if constexpr (F::kOffset) offsets[r][m][u] += block.offset[c] * x.sum[xc];
-          }
-        }
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < P; m++) {
-      Vec8 total = acc[r][m][0];
-      float offset = offsets[r][m][0];
-      for (int u = 1; u < U; u++) {
-        total = simd::add8(total, acc[r][m][u]);
-        offset += offsets[r][m][u];
-      }
-      out[r * P + m] = simd::reduce_add8(total) + offset;
-    }
-}
 
 // One row of x's running sums against one weight row of a lanes format, in the order every kernel
 // adds to them: group by group, the group's integer sums (a lane a chunk; two halves where a scale
@@ -738,6 +664,27 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
   }
 }
 
+// The lanes layouts alone: what the products multiply (a file's own layout is repacked first).
+template <class Body>
+void with_lanes_format(int64_t type, Body&& body) {
+  switch (type) {
+    case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
+    case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
+    case Lanes<Q4_1>::kType: return body(Lanes<Q4_1>{});
+    case Lanes<Q5_0>::kType: return body(Lanes<Q5_0>{});
+    case Lanes<Q5_1>::kType: return body(Lanes<Q5_1>{});
+    case Lanes<IQ4_NL>::kType: return body(Lanes<IQ4_NL>{});
+    case IQ4_XSLanes::kType: return body(IQ4_XSLanes{});
+    case Q4_KLanes::kType: return body(Q4_KLanes{});
+    case Q5_KLanes::kType: return body(Q5_KLanes{});
+    case Q6_KLanes::kType: return body(Q6_KLanes{});
+  }
+  TORCH_CHECK(false, "GGUF type ", type, " is not a lanes layout: the kernels multiply rows that gguf_repack put in one "
+              "(type 1000 + the file's: 1002 Q4_0, 1003 Q4_1, 1006 Q5_0, 1007 Q5_1, 1008 Q8_0, 1012 Q4_K, 1013 Q5_K, "
+              "1014 Q6_K, 1020 IQ4_NL, 1023 IQ4_XS)");
+}
+
+// Every format: the files' own layouts and the lanes layouts.
 template <class Body>
 void with_format(int64_t type, Body&& body) {
   switch (type) {
@@ -747,36 +694,20 @@ void with_format(int64_t type, Body&& body) {
     case Q4_K::kType: return body(Q4_K{});
     case Q5_K::kType: return body(Q5_K{});
     case Q6_K::kType: return body(Q6_K{});
-    case Lanes<Q8_0>::kType: return body(Lanes<Q8_0>{});
-    case Lanes<Q4_0>::kType: return body(Lanes<Q4_0>{});
-    case Lanes<Q4_1>::kType: return body(Lanes<Q4_1>{});
     case Q5_0::kType: return body(Q5_0{});
     case Q5_1::kType: return body(Q5_1{});
-    case Lanes<Q5_0>::kType: return body(Lanes<Q5_0>{});
-    case Lanes<Q5_1>::kType: return body(Lanes<Q5_1>{});
     case IQ4_NL::kType: return body(IQ4_NL{});
     case IQ4_XS::kType: return body(IQ4_XS{});
-    case Lanes<IQ4_NL>::kType: return body(Lanes<IQ4_NL>{});
-    case IQ4_XSLanes::kType: return body(IQ4_XSLanes{});
-    case Q4_KLanes::kType: return body(Q4_KLanes{});
-    case Q5_KLanes::kType: return body(Q5_KLanes{});
-    case Q6_KLanes::kType: return body(Q6_KLanes{});
   }
-  TORCH_CHECK(false, "GGUF type ", type, " has no kernel; the kernels run Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), "
-              "Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23)");
+  TORCH_CHECK(type >= 1000, "GGUF type ", type, " has no kernel; the kernels read Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23) and their lanes layouts "
+              "(1000 + each)");
+  with_lanes_format(type, std::forward<Body>(body));
 }
 
 // Rows of x per pass over a weight row: the accumulators with a weight chunk and its scale fit
 // the sixteen ymm registers.
 constexpr int kMaxPass = 8;
-// Weight rows per call for one row of x (a decode): four share a call's set-up and overlap their
-// reductions (benchmarks/RESULTS.md); more spill the accumulators.
-constexpr int kRowsPerCall = 4;
-using DotRowsFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedRows&, int64_t, float*);
-template <class F, int... Ps>
-constexpr auto make_dot_table(std::integer_sequence<int, Ps...>) {
-  return std::array<DotRowsFn, sizeof...(Ps)>{&dot_rows<F, Ps + 1>...};
-}
 using LanesDotRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t, float*);
 template <class F, int... Ps>
 constexpr auto make_lanes_table(std::integer_sequence<int, Ps...>) {
@@ -801,36 +732,17 @@ void streaming_rows(const QuantizedRows& xq, const Part& part, int64_t begin, in
     y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
   };
   const auto row = [&](int64_t n) { return part.w + (n - part.first) * part.w_stride; };
-  if constexpr (F::kWholeRow) {
-    static constexpr auto table = make_lanes_table<F>(std::make_integer_sequence<int, kMaxPass>{});
-    constexpr int64_t kRun = 32;  // weight rows a call
-    float out[kRun * kMaxPass];
-    for (int64_t n = begin; n < end; n += kRun) {
-      const int64_t run = std::min(kRun, end - n);
-      for (int64_t i = 0, m0 = 0; i < passes; i++) {
-        const int64_t rows = (M - m0) / (passes - i);
-        table[rows - 1](row(n), part.w_stride, run, K, xq, m0, out);
-        for (int64_t r = 0; r < run; r++)
-          for (int64_t m = 0; m < rows; m++) store(m0 + m, n + r, out[r * rows + m]);
-        m0 += rows;
-      }
-    }
-  } else {
-    static constexpr auto table = make_dot_table<F>(std::make_integer_sequence<int, kMaxPass>{});
-    float out[std::max(kMaxPass, kRowsPerCall)];
-    int64_t n = begin;
-    if (M == 1)  // a decode: weight rows four a call; the last few go one by one below
-      for (; n + kRowsPerCall <= end; n += kRowsPerCall) {
-        dot_rows<F, 1, kRowsPerCall>(row(n), part.w_stride, K, xq, 0, out);
-        for (int r = 0; r < kRowsPerCall; r++) store(0, n + r, out[r]);
-      }
-    for (; n < end; n++) {
-      for (int64_t i = 0, m0 = 0; i < passes; i++) {
-        const int64_t rows = (M - m0) / (passes - i);
-        table[rows - 1](row(n), part.w_stride, K, xq, m0, out);
-        for (int64_t m = 0; m < rows; m++) store(m0 + m, n, out[m]);
-        m0 += rows;
-      }
+  static constexpr auto table = make_lanes_table<F>(std::make_integer_sequence<int, kMaxPass>{});
+  constexpr int64_t kRun = 32;  // weight rows a call
+  float out[kRun * kMaxPass];
+  for (int64_t n = begin; n < end; n += kRun) {
+    const int64_t run = std::min(kRun, end - n);
+    for (int64_t i = 0, m0 = 0; i < passes; i++) {
+      const int64_t rows = (M - m0) / (passes - i);
+      table[rows - 1](row(n), part.w_stride, run, K, xq, m0, out);
+      for (int64_t r = 0; r < run; r++)
+        for (int64_t m = 0; m < rows; m++) store(m0 + m, n + r, out[r * rows + m]);
+      m0 += rows;
     }
   }
 }
@@ -848,7 +760,9 @@ void streaming_linear(const QuantizedRows& xq, const std::vector<Part>& parts, c
     for (const Part& part : parts) {
       const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
       if (lo < hi)
-        with_format(part.type, [&](auto format) { streaming_rows<decltype(format)>(xq, part, lo, hi, bias, y, M, N, K); });
+        with_lanes_format(part.type, [&](auto format) {
+          streaming_rows<decltype(format)>(xq, part, lo, hi, bias, y, M, N, K);
+        });
     }
   });
 }
@@ -1202,28 +1116,24 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
     for (int64_t b = begin; b < end; b++) {
       const auto [part, r0] = blocks[b];
       const int64_t rows = std::min<int64_t>(per_block, part->rows - r0);
-      with_format(part->type, [&](auto format) {
+      with_lanes_format(part->type, [&](auto format) {
         using F = decltype(format);
-        if constexpr (F::kWholeRow) {
 #if defined(NANOVLLM_SIMD_AMX)
-          if (amx_x) {
-            amx_rows->decode<F>(part->w + r0 * part->w_stride, part->w_stride, rows);
-            return amx_block<F>(*amx_rows, *part, r0, rows, *amx_x, M, bias, y, N);
-          }
+        if (amx_x) {
+          amx_rows->decode<F>(part->w + r0 * part->w_stride, part->w_stride, rows);
+          return amx_block<F>(*amx_rows, *part, r0, rows, *amx_x, M, bias, y, N);
+        }
 #endif
-          static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
-          if (!buffers) buffers.emplace(per_block, K);
-          DecodedRows<F> w = buffers->rows<F>();
-          w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
-          // A panel of x's rows at a time stays in L1 and L2 while each weight tile meets all of them.
-          for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
-            const int64_t p1 = std::min(M, p0 + kPanelRows);
-            for (int64_t t = 0; t < rows; t += kTileRows)
-              for (int64_t m0 = p0; m0 < p1; m0 += kTileX)
-                table[std::min<int64_t>(kTileX, p1 - m0) - 1](w, *part, r0, t, rows, xq, m0, bias, y, N);
-          }
-        } else {
-          TORCH_CHECK(false, "tiled_linear: GGUF type ", part->type, " is not a lanes layout");
+        static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
+        if (!buffers) buffers.emplace(per_block, K);
+        DecodedRows<F> w = buffers->rows<F>();
+        w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
+        // A panel of x's rows at a time stays in L1 and L2 while each weight tile meets all of them.
+        for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
+          const int64_t p1 = std::min(M, p0 + kPanelRows);
+          for (int64_t t = 0; t < rows; t += kTileRows)
+            for (int64_t m0 = p0; m0 < p1; m0 += kTileX)
+              table[std::min<int64_t>(kTileX, p1 - m0) - 1](w, *part, r0, t, rows, xq, m0, bias, y, N);
         }
       });
     }
@@ -1239,10 +1149,9 @@ void check_blocks(const at::Tensor& blocks, int64_t K) {
               " needs ", K / F::kValues * F::kBytes);
 }
 
-// y = x W^T (+ bias) over a weight in `parts` covering N output columns; `lanes` as all parts'
-// formats' kWholeRow.
-at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vector<Part>& parts, bool lanes,
-                             int64_t N, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
+// y = x W^T (+ bias) over a weight in `parts` (lanes layouts) covering N output columns.
+at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vector<Part>& parts, int64_t N,
+                             const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bf16 or fp32");
   const int64_t K = x.size(-1);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
@@ -1257,8 +1166,8 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
   const auto run = [&](auto* x_rows, auto* y_rows) {
-    const QuantizedRows xq(x_rows, K, M, K, lanes);
-    if (lanes && M > max_streaming_rows)
+    const QuantizedRows xq(x_rows, K, M, K);
+    if (M > max_streaming_rows)
       tiled_linear(xq, parts, b, y_rows, M, N, K);
     else
       streaming_linear(xq, parts, b, y_rows, M, N, K);
@@ -1275,14 +1184,9 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                        const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
   const int64_t N = blocks.size(0);
-  bool lanes = false;
-  with_format(type, [&](auto format) {
-    using F = decltype(format);
-    check_blocks<F>(blocks, x.size(-1));
-    lanes = F::kWholeRow;
-  });
-  return linear_over_parts("gguf_linear", x, {Part{type, blocks.data_ptr<uint8_t>(), blocks.stride(0), 0, N}}, lanes,
-                           N, bias, max_streaming_rows);
+  with_lanes_format(type, [&](auto format) { check_blocks<decltype(format)>(blocks, x.size(-1)); });
+  return linear_over_parts("gguf_linear", x, {Part{type, blocks.data_ptr<uint8_t>(), blocks.stride(0), 0, N}}, N, bias,
+                           max_streaming_rows);
 }
 
 int64_t gguf_parts_rows(const at::Tensor& parts) {
@@ -1306,24 +1210,21 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, cons
   const int64_t K = x.size(-1);
   const int64_t* table = parts.data_ptr<int64_t>();
   std::vector<Part> list;
-  int64_t first = 0, offset = 0, lanes_parts = 0;
+  int64_t first = 0, offset = 0;
   for (int64_t p = 0; p < parts.size(0); p++) {
     const int64_t rows = table[2 * p], type = table[2 * p + 1];
-    with_format(type, [&](auto format) {
+    with_lanes_format(type, [&](auto format) {
       using F = decltype(format);
       TORCH_CHECK(K % F::kValues == 0, "K=", K, " is not a multiple of the format's block of ", F::kValues, " values");
       const int64_t row_bytes = K / F::kValues * F::kBytes;
       list.push_back(Part{type, blocks.data_ptr<uint8_t>() + offset, row_bytes, first, rows});
-      lanes_parts += F::kWholeRow;
       offset += rows * row_bytes;
     });
     first += rows;
   }
   TORCH_CHECK(offset == blocks.numel(), "gguf_linear_parts: the parts' rows take ", offset, " bytes; blocks hold ",
               blocks.numel());
-  TORCH_CHECK(lanes_parts == 0 || lanes_parts == int64_t(list.size()),
-              "gguf_linear_parts: the parts must be all in lanes layouts or none");
-  return linear_over_parts("gguf_linear_parts", x, list, lanes_parts > 0, N, bias, max_streaming_rows);
+  return linear_over_parts("gguf_linear_parts", x, list, N, bias, max_streaming_rows);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features) {

@@ -472,10 +472,9 @@ inline Vec dot(Vec acc, const Pairs& w, Broadcast x) {
 // A chunk of 32 weights is decoded to 16-bit integers (`Words`: lo holds values 0-15, hi 16-31),
 // from 4, 6 or 8 bits (through `Bytes`, 32 8-bit values, where the bits need assembling), and meets
 // 32 16-bit integers of x in a dot product of eight int32 partial sums (`Sums`), turned into eight
-// fp32 lanes (`Vec8`) and scaled. `dot` leaves the lanes in any order (a chunk with one scale);
-// `dot_halves` keeps values 0-15 in lanes 0-3 and 16-31 in lanes 4-7, so a scale per 16 values is a
-// scale per half of the lanes. The 256-bit AVX2 code serves AVX-512 too, whose VNNI multiplies and
-// accumulates 16-bit pairs in one instruction (vpdpwssd) instead of two.
+// fp32 lanes (`Vec8`) and scaled. `dot` leaves the lanes in any order (a row's tail chunk, summed
+// whole). The 256-bit AVX2 code serves AVX-512 too, whose VNNI multiplies and accumulates 16-bit
+// pairs in one instruction (vpdpwssd) instead of two.
 
 #if defined(NANOVLLM_SIMD_AVX512) || defined(NANOVLLM_SIMD_AVX2)
 
@@ -556,12 +555,6 @@ inline Sums dot(Words w, Words x) {
 #else
 inline Sums dot(Words w, Words x) { return {_mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi))}; }
 #endif
-inline Sums dot_halves(Words w, Words x) {
-  // hadd interleaves the halves' pair sums by 64 bits within each 128-bit lane; the permute
-  // puts values 0-15 (from lo) in lanes 0-3 and 16-31 in lanes 4-7.
-  const __m256i sums = _mm256_hadd_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
-  return {_mm256_permute4x64_epi64(sums, 0xd8)};
-}
 // A group of eight chunks in lanes (the Lanes formats' values): sixteen vectors of 16 words, vector
 // r holding values 2r and 2r + 1 of chunk l in words 2l and 2l + 1, so that a madd's lane l sums
 // chunk l's products only and a group's eight sums stay in the lanes of one Sums. A Quad is
@@ -853,12 +846,11 @@ inline Words load_words(const int16_t* p) {
   std::memcpy(w.v, p, 64);
   return w;
 }
-inline Sums dot_halves(Words w, Words x) {
+inline Sums dot(Words w, Words x) {
   Sums r{};
   for (int j = 0; j < 32; j++) r.v[j / 4] += int32_t(w.v[j]) * x.v[j];
   return r;
 }
-inline Sums dot(Words w, Words x) { return dot_halves(w, x); }
 template <typename F>
 inline Vec8 map8(F f) {
   Vec8 r;
