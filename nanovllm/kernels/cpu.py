@@ -27,6 +27,7 @@ through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `l
 over the others), `isa` and `amx_tiles_granted`; see cpu/registration.cpp.
 """
 
+import ctypes
 import functools
 import glob
 import hashlib
@@ -246,12 +247,24 @@ def empty_mapped(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool) -
     return mapped[start:start + nbytes].view(dtype).view(shape)
 
 
+def _release_freed_heap() -> None:
+    """Hand glibc's free heap pages back to the kernel (the platform turns automatic trimming
+    off for the steps' sake). No-op off glibc."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    malloc_trim(0)
+
+
 def move_to_huge_pages(weights: list[torch.Tensor]) -> None:
     """Move each weight's data (a parameter's, contiguous) into one arena in transparent huge
     pages, 64-byte aligned: for weights a decode step streams, which in 4 KB pages read far
     slower (a page walk every 4 KB, and the hardware prefetchers stop at every page's end;
     figures in benchmarks/RESULTS.md). Weights that share their data (a tied embedding and LM
-    head) move together, once."""
+    head) move together, once. Each old copy's memory goes back to the kernel as soon as it is
+    moved, so the process never holds a weight twice over (most are heap allocations, which
+    freeing alone would keep resident)."""
     shared: dict[int, list[torch.Tensor]] = {}
     for weight in weights:
         shared.setdefault(weight.data_ptr(), []).append(weight)
@@ -265,6 +278,8 @@ def move_to_huge_pages(weights: list[torch.Tensor]) -> None:
         moved = arena[offset:offset + first.nbytes].view(first.dtype).view(first.shape).copy_(first)
         for weight in same:
             weight.data = moved
+        del first
+        _release_freed_heap()
         offset += span
 
 

@@ -254,11 +254,13 @@ struct IQ4_XS {
 // Q5_1's eight minimums after them), then its values as four quads (the Q5 formats' fifth bits after them) (simd.h: lane l of every vector is chunk l's), so
 // that a group's integer sums come out as one vector of its chunks and meet their scales in one
 // multiply-add; the row's last K % 256 values stay the base format's blocks. Not GGML types: the
-// ids (1000 + the base's) are this project's, and layers/quantization/cpu_gguf.py names them too.
+// ids (kLanesTypeBase + the base's) are this project's, and layers/quantization/cpu_gguf.py names
+// them too (LANES_TYPE_BASE).
+constexpr int kLanesTypeBase = 1000;
 template <class B>
 struct Lanes {
   using Base = B;
-  static constexpr int kType = 1000 + Base::kType, kValues = 32, kBytes = Base::kBytes;
+  static constexpr int kType = kLanesTypeBase + Base::kType, kValues = 32, kBytes = Base::kBytes;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = Base::kOffset;
   static constexpr bool kWholeRow = true;
@@ -281,7 +283,7 @@ struct Lanes {
 // block's scales d * sc and offsets -dmin * m (as the file's blocks give them) come out as one
 // vector each. Type id 1012, this project's (layers/quantization/cpu_gguf.py names it too).
 struct Q4_KLanes {
-  static constexpr int kType = 1000 + Q4_K::kType, kValues = 256, kBytes = 148;
+  static constexpr int kType = kLanesTypeBase + Q4_K::kType, kValues = 256, kBytes = 148;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
   static constexpr bool kWholeRow = true;
@@ -300,7 +302,7 @@ struct Q4_KLanes {
 // quads as the Q5 Lanes formats keep them (simd::five_bit_quad): 180 bytes a block instead of 176.
 // Type id 1013, this project's.
 struct Q5_KLanes : Q4_KLanes {
-  static constexpr int kType = 1000 + Q5_K::kType, kBytes = 180, kGroupBytes = kBytes;
+  static constexpr int kType = kLanesTypeBase + Q5_K::kType, kBytes = 180, kGroupBytes = kBytes;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
 };
 
@@ -308,7 +310,7 @@ struct Q5_KLanes : Q4_KLanes {
 // sub-blocks' scales a signed byte each, then its indices as four nibble quads, 138 bytes instead
 // of 136. Type id 1023, this project's.
 struct IQ4_XSLanes {
-  static constexpr int kType = 1000 + IQ4_XS::kType, kValues = 256, kBytes = 138;
+  static constexpr int kType = kLanesTypeBase + IQ4_XS::kType, kValues = 256, kBytes = 138;
   static constexpr bool kScalePer16 = false;
   static constexpr bool kOffset = true;
   static constexpr bool kWholeRow = true;
@@ -326,7 +328,7 @@ struct IQ4_XSLanes {
 // hold the chunks' first 16 values, 8-15 the rest: their sums, kept apart, meet one vector of
 // scales each. Type id 1014, this project's.
 struct Q6_KLanes {
-  static constexpr int kType = 1000 + Q6_K::kType, kValues = 256, kBytes = 210;
+  static constexpr int kType = kLanesTypeBase + Q6_K::kType, kValues = 256, kBytes = 210;
   static constexpr bool kScalePer16 = true;
   static constexpr bool kOffset = false;
   static constexpr bool kWholeRow = true;
@@ -699,7 +701,7 @@ void with_format(int64_t type, Body&& body) {
     case IQ4_NL::kType: return body(IQ4_NL{});
     case IQ4_XS::kType: return body(IQ4_XS{});
   }
-  TORCH_CHECK(type >= 1000, "GGUF type ", type, " has no kernel; the kernels read Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+  TORCH_CHECK(type >= kLanesTypeBase, "GGUF type ", type, " has no kernel; the kernels read Q4_0 (2), Q4_1 (3), Q5_0 (6), "
               "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23) and their lanes layouts "
               "(1000 + each)");
   with_lanes_format(type, std::forward<Body>(body));
