@@ -791,15 +791,18 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 // A step of many rows of x (a prefill, a batch) computes every output element with exactly the
 // row kernel's arithmetic (RowSums), in an order that reuses what it loads: each task decodes a
 // block of weight rows once into 16-bit words (a group's sixteen vectors in turn) and fp32 scales
-// and offsets, which stay in L2, then runs tiles of kTileRows of those rows by kTileX rows of x
-// over them, a panel of x's rows at a time: each weight vector loaded serves kTileX rows of x,
-// each of x's kTileRows weight rows, and the tile's integer sums stay in registers through a group.
+// and offsets, which stay in L2, and x's rows are laid out once a call in tiles of 16 rows whose
+// pairs of values interleave (PairedX). A tile of kTileRows weight rows by 16 rows of x then
+// multiplies each weight pair, broadcast, with a vector of eight rows' pairs of x: a lane's sum is
+// one output element's, so every chunk's integer sums come out in lanes of rows of x and meet
+// their scales as the AMX tiles' do (a chunk's sum in the lane of its chunk modulo 8 of RowSums,
+// vectorised over rows of x), the same operations in the same order as RowSums.
 
-// The tile's sums, its weight vectors, an x vector and a product fit the registers (AVX2: 3 x 2 +
-// 3 + 2 of 16; with 3 x 3 GCC already spills sums to the stack in the inner loop).
-constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;
-constexpr int kTileX = simd::kRegisters == 32 ? 6 : 2;
-constexpr int64_t kPanelRows = 16 * kTileX;
+// Weight rows a tile: their sums (two vectors a row), x's two vectors, a broadcast pair and a
+// product fit AVX2's sixteen registers (4 x 2 + 4; with 5 rows GCC spills in the inner loop).
+constexpr int kTileRows = simd::kRegisters == 32 ? 8 : 4;
+// x tiles a weight tile meets in turn, from L2, while its rows stay in L1.
+constexpr int64_t kXTilesPerPanel = 2;
 // A block's decoded rows fill at most about a quarter of a core's L2 (the more rows a block, the
 // fewer times a long step's x comes through L2), in at least eight blocks a thread: enough that a
 // thread can take over the blocks of one another process holds up (benchmarks/RESULTS.md).
@@ -815,10 +818,11 @@ int64_t block_rows(int64_t N, int64_t K, int64_t tile_rows) {
 }
 
 // A block of a lanes format's rows decoded: group g of row r as 256 words at values[(r * groups +
-// g) * 256] and kHalves scale vectors then one of offsets at scales[(r * groups + g) * kStride];
-// the row's tail chunks (Lanes<Base>'s last K % 256 values) as Base's chunks give them. In a
-// task's buffers (DecodeBuffers, sized for any format). Rows past the block's end keep what an
-// earlier block left (or zeros): tiles compute them and store nothing.
+// g) * 256] (the lanes layout: chunk l's values 2v and 2v + 1 are words 16v + 2l and 16v + 2l + 1)
+// and kHalves scale vectors then one of offsets at scales[(r * groups + g) * kStride]; the row's
+// tail chunks (Lanes<Base>'s last K % 256 values) as Base's chunks give them. In a task's buffers
+// (DecodeBuffers, sized for any format). Rows past the block's end keep what an earlier block
+// left (or zeros): tiles compute them and store nothing.
 template <class F>
 struct DecodedRows {
   static constexpr int kHalves = F::kScalePer16 ? 2 : 1, kStride = 8 * (kHalves + 1);
@@ -852,6 +856,10 @@ struct DecodedRows {
   }
   const int16_t* vectors(int64_t r, int64_t g) const { return values + (r * groups + g) * 256; }
   const float* scales_of(int64_t r, int64_t g) const { return scales + (r * groups + g) * kStride; }
+  // Tail chunk j of row r, its 32 values in order.
+  const int16_t* tail_words(int64_t r, int64_t j) const {
+    return reinterpret_cast<const int16_t*>(&tail_values[r * tail + j]);
+  }
 };
 
 // Room for a block of any format's decoded rows of K values.
@@ -871,83 +879,122 @@ struct DecodeBuffers {
   }
 };
 
-// out[r][m] = decoded row t + r . x row m0 + m, for r < kTileRows and m < P: the row kernel's
-// sums (RowSums) over every group and then the tail's chunks, and their totals eight at a time.
-template <class F, int P>
-void lanes_tile(const DecodedRows<F>& w, int64_t t, const QuantizedRows& x, int64_t m0,
-                float (&out)[kTileRows][P]) {
-  constexpr int kHalves = DecodedRows<F>::kHalves, kVectors = 16 / kHalves;
-  const int64_t C = x.chunks;
-  RowSums sums[kTileRows][P];
-  for (int64_t g = 0; g < w.groups; g++) {
-    simd::Sums s[kTileRows][P][kHalves];
+// x's rows as the tiles take them: for each tile of 16 rows and each chunk, the chunk's 16 pairs
+// of values in turn, each as its 16 rows' pairs (rows 0-7 a vector, 8-15 the next), and the
+// chunks' scales and sums by row; rows past M are zeros.
+struct PairedX {
+  int64_t tiles, chunks;
+  std::vector<int16_t> values;    // [tile][chunk][pair][row][2]
+  std::vector<float> scale, sum;  // [tile][chunk][row]
+
+  PairedX(const QuantizedRows& x, int64_t M)
+      : tiles((M + 15) / 16), chunks(x.chunks), values(tiles * chunks * 512), scale(tiles * chunks * 16),
+        sum(tiles * chunks * 16) {
+    const int64_t grouped = x.chunks / 8 * 8;
+    parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m++)
+        for (int64_t c = 0; c < chunks; c++) {
+          const int64_t at = m / 16 * chunks + c, i = m % 16;
+          // A group's chunk l has pair v at words 16v + 2l; a tail chunk's values are in order.
+          const int16_t* from = c < grouped ? x.values(m, c / 8 * 8) + 2 * (c % 8) : x.values(m, c);
+          const int64_t step = c < grouped ? 16 : 2;
+          int16_t* to = &values[at * 512 + 2 * i];
+          for (int v = 0; v < 16; v++) std::memcpy(to + 32 * v, from + step * v, 4);
+          scale[at * 16 + i] = x.scale[m * chunks + c];
+          sum[at * 16 + i] = x.sum[m * chunks + c];
+        }
+    });
+  }
+  const int16_t* pairs(int64_t tile, int64_t c) const { return &values[(tile * chunks + c) * 512]; }
+  const float* scales(int64_t tile, int64_t c) const { return &scale[(tile * chunks + c) * 16]; }
+  const float* sums(int64_t tile, int64_t c) const { return &sum[(tile * chunks + c) * 16]; }
+};
+
+// out[r][m] = decoded row t + r . x row 16 xt + m, for r < kTileRows and m < 8 kLive (the rows of x
+// whose vectors are computed: 1 where at most eight of the tile's rows are real). RowSums'
+// accumulators, lane by lane: acc[l] takes chunks l, l + 8, .. and offsets[l] their offsets'
+// share, summed apart until the totals, whose tree is reduce_add8's.
+template <class F, int kLive>
+void paired_tile(const DecodedRows<F>& w, int64_t t, const PairedX& x, int64_t xt, float (&out)[kTileRows][16]) {
+  constexpr int kHalves = DecodedRows<F>::kHalves, kPairs = 16 / kHalves;
+  Vec8 acc[8][kTileRows][kLive];
+  for (auto& lane : acc)
+    for (auto& row : lane)
+      for (Vec8& a : row) a = simd::zero8();
+  // Chunk c: `pair(r, v)` weight row t + r's pair v, `scale(r, h)` its scale for half h.
+  const auto chunk = [&](int64_t c, auto&& pair, auto&& scale) {
+    const int16_t* xp = x.pairs(xt, c);
+    Vec8 xs[kLive];
+    for (int i = 0; i < kLive; i++) xs[i] = simd::load8(x.scales(xt, c) + 8 * i);
 #pragma GCC unroll 2
     for (int h = 0; h < kHalves; h++) {
-      for (int r = 0; r < kTileRows; r++)
-        for (int m = 0; m < P; m++) s[r][m][h] = simd::zero_sums();
+      simd::Sums s[kTileRows][kLive];
+      for (auto& row : s)
+        for (simd::Sums& sum : row) sum = simd::zero_sums();
+      // Two pairs an iteration: a longer body makes GCC spill the sums (benchmarks/RESULTS.md).
 #pragma GCC unroll 2
-      for (int v = h * kVectors; v < (h + 1) * kVectors; v++) {
-        simd::Vector16 wv[kTileRows];
-#pragma GCC unroll 4
-        for (int r = 0; r < kTileRows; r++) wv[r] = simd::load_vector(w.vectors(t + r, g) + 16 * v);
+      for (int v = h * kPairs; v < (h + 1) * kPairs; v++) {
+        simd::Vector16 xv[kLive];
+        for (int i = 0; i < kLive; i++) xv[i] = simd::load_vector(xp + 32 * v + 16 * i);
 #pragma GCC unroll 8
-        for (int m = 0; m < P; m++) {
-          const simd::Vector16 xv = simd::load_vector(x.values(m0 + m, 8 * g) + 16 * v);
-#pragma GCC unroll 4
-          for (int r = 0; r < kTileRows; r++) s[r][m][h] = simd::dot_vector(wv[r], xv, s[r][m][h]);
+        for (int r = 0; r < kTileRows; r++) {
+          const simd::Vector16 b = simd::broadcast_pair(pair(r, v));
+          for (int i = 0; i < kLive; i++) s[r][i] = simd::dot_vector(b, xv[i], s[r][i]);
         }
       }
-    }
-    for (int r = 0; r < kTileRows; r++) {
-      const float* sc = w.scales_of(t + r, g);
-      Vec8 d[kHalves];
-      for (int h = 0; h < kHalves; h++) d[h] = simd::load8(sc + 8 * h);
-      const Vec8 offset = simd::load8(sc + 8 * kHalves);
-      for (int m = 0; m < P; m++) {
-        const int64_t xc = (m0 + m) * C + 8 * g;
-        sums[r][m].template add_group<F::kOffset, kHalves>(s[r][m], d, offset, &x.scale[xc], &x.sum[xc]);
+      for (int r = 0; r < kTileRows; r++) {
+        const Vec8 d = simd::set1_8(scale(r, h));
+        for (int i = 0; i < kLive; i++)
+          acc[c % 8][r][i] = simd::fmadd8(simd::to_float(s[r][i]), simd::mul8(d, xs[i]), acc[c % 8][r][i]);
       }
     }
-  }
-  if (w.tail > 0)
-    for (int r = 0; r < kTileRows; r++) {
-      const int64_t at = (t + r) * w.tail, c0 = 8 * w.groups;
-      const Vec8 scales = simd::load8_first(&w.tail_scales[at], w.tail);
-      for (int m = 0; m < P; m++) {
-        simd::Sums dots[8];
-        for (int j = 0; j < 8; j++)
-          dots[j] = j < w.tail ? simd::dot(w.tail_values[at + j], simd::load_words(x.values(m0 + m, c0 + j)))
-                               : simd::zero_sums();
-        sums[r][m].add_tail_chunks(dots, scales, &w.tail_offsets[at], w.tail, x, m0 + m, c0);
-      }
+  };
+  for (int64_t g = 0; g < w.groups; g++)
+    for (int l = 0; l < 8; l++)
+      chunk(8 * g + l, [&](int r, int v) { return w.vectors(t + r, g) + 16 * v + 2 * l; },
+            [&](int r, int h) { return w.scales_of(t + r, g)[8 * h + l]; });
+  for (int64_t j = 0; j < w.tail; j++)
+    chunk(8 * w.groups + j, [&](int r, int v) { return w.tail_words(t + r, j) + 2 * v; },
+          [&](int r, int) { return w.tail_scales[(t + r) * w.tail + j]; });
+  for (int r = 0; r < kTileRows; r++)
+    for (int i = 0; i < kLive; i++) {
+      Vec8 offsets[8];  // the lanes' chains side by side: each is an FMA's latency a group
+      for (Vec8& o : offsets) o = simd::zero8();
+      if constexpr (F::kOffset)
+        for (int64_t g = 0; g < w.groups; g++)
+          for (int l = 0; l < 8; l++)
+            offsets[l] = simd::fmadd8(simd::set1_8(w.scales_of(t + r, g)[8 * kHalves + l]),
+                                      simd::load8(x.sums(xt, 8 * g + l) + 8 * i), offsets[l]);
+      Vec8 lanes[8];
+      for (int l = 0; l < 8; l++) lanes[l] = simd::add8(acc[l][r][i], offsets[l]);
+      Vec8 tail_offsets = simd::zero8();  // RowSums::tail_offsets: the tail chunks' in turn
+      if constexpr (F::kOffset)
+        for (int64_t j = 0; j < w.tail; j++)
+          tail_offsets = simd::fmadd8(simd::set1_8(w.tail_offsets[(t + r) * w.tail + j]),
+                                      simd::load8(x.sums(xt, 8 * w.groups + j) + 8 * i), tail_offsets);
+      simd::store8(&out[r][8 * i], simd::add8(simd::add8_tree(lanes), tail_offsets));
     }
-  const RowSums* flat = &sums[0][0];  // row-major: pair i is sums[i / P][i % P]
-  for (int i0 = 0; i0 < kTileRows * P; i0 += 8) {
-    float totals[8];
-    const int n = std::min(8, kTileRows * P - i0);
-    RowSums::totals(flat + i0, n, totals);
-    for (int i = 0; i < n; i++) out[(i0 + i) / P][(i0 + i) % P] = totals[i];
-  }
 }
 
-// The tile of decoded rows t to t + kTileRows (of the block's `rows`, from part's row r0) against
-// x's rows m0 to m0 + P, into y.
-template <class F, int P, typename T>
-void lanes_tile_into(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t t, int64_t rows,
-                     const QuantizedRows& x, int64_t m0, const float* bias, T* y, int64_t N) {
-  float out[kTileRows][P];
-  lanes_tile<F, P>(w, t, x, m0, out);
-  for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - t); r++) {
-    const int64_t n = part.first + r0 + t + r;
-    for (int m = 0; m < P; m++) y[(m0 + m) * N + n] = T(out[r][m] + (bias != nullptr ? bias[n] : 0.0f));
-  }
-}
-
-template <class F, typename T, int... Ps>
-constexpr auto make_tiles_table(std::integer_sequence<int, Ps...>) {
-  using Fn = void (*)(const DecodedRows<F>&, const Part&, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t,
-                      const float*, T*, int64_t);
-  return std::array<Fn, sizeof...(Ps)>{&lanes_tile_into<F, Ps + 1, T>...};
+// A block of a part's rows (from r0, decoded) against every row of x, tile by tile.
+template <class F, typename T>
+void paired_block(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t rows, const PairedX& x, int64_t M,
+                  const float* bias, T* y, int64_t N) {
+  for (int64_t p0 = 0; p0 < x.tiles; p0 += kXTilesPerPanel)
+    for (int64_t t = 0; t < rows; t += kTileRows)
+      for (int64_t xt = p0; xt < std::min(x.tiles, p0 + kXTilesPerPanel); xt++) {
+        const int64_t live = std::min<int64_t>(16, M - 16 * xt);
+        float out[kTileRows][16];
+        if (live > 8)
+          paired_tile<F, 2>(w, t, x, xt, out);
+        else
+          paired_tile<F, 1>(w, t, x, xt, out);
+        for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - t); r++) {
+          const int64_t n = part.first + r0 + t + r;
+          const float b = bias != nullptr ? bias[n] : 0.0f;
+          for (int64_t m = 0; m < live; m++) y[(16 * xt + m) * N + n] = T(out[r][m] + b);
+        }
+      }
 }
 
 #if defined(NANOVLLM_SIMD_AMX)
@@ -1105,7 +1152,10 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
   const int64_t per_block = block_rows(N, K, amx_x ? 16 : kTileRows);
 #else
   const int64_t per_block = block_rows(N, K, kTileRows);
+  constexpr bool amx_x = false;
 #endif
+  std::optional<PairedX> paired_x;  // the vector tiles' x (not made where AMX tiles multiply)
+  if (!amx_x) paired_x.emplace(xq, M);
   std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
   for (const Part& part : parts)
     for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
@@ -1126,17 +1176,10 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
           return amx_block<F>(*amx_rows, *part, r0, rows, *amx_x, M, bias, y, N);
         }
 #endif
-        static constexpr auto table = make_tiles_table<F, T>(std::make_integer_sequence<int, kTileX>{});
         if (!buffers) buffers.emplace(per_block, K);
         DecodedRows<F> w = buffers->rows<F>();
         w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
-        // A panel of x's rows at a time stays in L1 and L2 while each weight tile meets all of them.
-        for (int64_t p0 = 0; p0 < M; p0 += kPanelRows) {
-          const int64_t p1 = std::min(M, p0 + kPanelRows);
-          for (int64_t t = 0; t < rows; t += kTileRows)
-            for (int64_t m0 = p0; m0 < p1; m0 += kTileX)
-              table[std::min<int64_t>(kTileX, p1 - m0) - 1](w, *part, r0, t, rows, xq, m0, bias, y, N);
-        }
+        paired_block<F>(w, *part, r0, rows, *paired_x, M, bias, y, N);
       });
     }
   });

@@ -633,6 +633,13 @@ struct Vector16 {
   __m256i v;
 };
 inline Vector16 load_vector(const int16_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+// The pair of words at p in every lane: one operand of eight rows' dot products (dot_vector) with
+// a vector that holds each row's pair of the same two values.
+inline Vector16 broadcast_pair(const int16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, 4);
+  return {_mm256_set1_epi32(pair)};
+}
 inline void store_quad(int16_t* p, Quad q) {
   for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i*)p + k, q.v[k]);
 }
@@ -912,6 +919,11 @@ inline Vector16 load_vector(const int16_t* p) {
   std::memcpy(w.v, p, 32);
   return w;
 }
+inline Vector16 broadcast_pair(const int16_t* p) {
+  Vector16 w;
+  for (int i = 0; i < 16; i++) w.v[i] = p[i % 2];
+  return w;
+}
 inline void store_quad(int16_t* p, Quad q) { std::memcpy(p, q.v, 128); }
 inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) {
   for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(w.v[i]) * x.v[i];
@@ -957,10 +969,9 @@ inline Vec8 zero8() { return set1_8(0.0f); }
 inline Vec8 add8(Vec8 a, Vec8 b) { return map8([&](int j) { return a.v[j] + b.v[j]; }); }
 inline Vec8 mul8(Vec8 a, Vec8 b) { return map8([&](int j) { return a.v[j] * b.v[j]; }); }
 inline Vec8 fmadd8(Vec8 a, Vec8 b, Vec8 c) { return map8([&](int j) { return std::fma(a.v[j], b.v[j], c.v[j]); }); }
-inline float reduce_add8(Vec8 x) {
-  float s = 0;
-  for (float v : x.v) s += v;
-  return s;
+inline float reduce_add8(Vec8 x) {  // the AVX reduction's tree
+  const float* v = x.v;
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 inline Vec8 reduce_add8x8(const Vec8 v[8]) { return map8([&](int j) { return reduce_add8(v[j]); }); }
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
@@ -984,6 +995,11 @@ inline std::pair<float, float> two_halves_at(const uint8_t* p) {
 }
 
 #endif
+
+// Eight vectors summed lane by lane, each lane in reduce_add8's order: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
+inline Vec8 add8_tree(const Vec8 v[8]) {
+  return add8(add8(add8(v[0], v[4]), add8(v[2], v[6])), add8(add8(v[1], v[5]), add8(v[3], v[7])));
+}
 
 }  // namespace nanovllm_cpu::simd
 
