@@ -976,6 +976,10 @@ void paired_tile(const DecodedRows<F>& w, int64_t t, const PairedX& x, int64_t x
     }
 }
 
+// 16 outputs converted to y's type (rounded as the scalar conversion rounds).
+inline void convert16(simd::Vec x, float* out) { simd::store(out, x); }
+inline void convert16(simd::Vec x, BFloat16* out) { simd::store_bf16(out, x); }
+
 // A block of a part's rows (from r0, decoded) against every row of x, tile by tile.
 template <class F, typename T>
 void paired_block(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t rows, const PairedX& x, int64_t M,
@@ -989,11 +993,13 @@ void paired_block(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t
           paired_tile<F, 2>(w, t, x, xt, out);
         else
           paired_tile<F, 1>(w, t, x, xt, out);
-        for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - t); r++) {
-          const int64_t n = part.first + r0 + t + r;
-          const float b = bias != nullptr ? bias[n] : 0.0f;
-          for (int64_t m = 0; m < live; m++) y[(16 * xt + m) * N + n] = T(out[r][m] + b);
-        }
+        // y's columns n0 .. over the tile's rows of x, converted a column at once and stored a row at once.
+        const int64_t n0 = part.first + r0 + t, columns = std::min<int64_t>(kTileRows, rows - t);
+        T converted[kTileRows][16];
+        for (int64_t r = 0; r < columns; r++)
+          convert16(simd::add(simd::load(out[r]), simd::set1(bias != nullptr ? bias[n0 + r] : 0.0f)), converted[r]);
+        for (int64_t m = 0; m < live; m++)
+          for (int64_t r = 0; r < columns; r++) y[(16 * xt + m) * N + n0 + r] = converted[r][m];
       }
 }
 
