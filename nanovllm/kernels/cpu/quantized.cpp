@@ -931,8 +931,9 @@ void paired_tile(const DecodedRows<F>& w, int64_t t, const PairedX& x, int64_t x
       simd::Sums s[kTileRows][kLive];
       for (auto& row : s)
         for (simd::Sums& sum : row) sum = simd::zero_sums();
-      // Two pairs an iteration: a longer body makes GCC spill the sums (benchmarks/RESULTS.md).
-#pragma GCC unroll 2
+      // Four pairs an iteration (a Q6_K half's eight in two): with two, Q6_K's short loop costs a
+      // fifth of its time; with eight or sixteen, GCC spills the sums (benchmarks/RESULTS.md).
+#pragma GCC unroll 4
       for (int v = h * kPairs; v < (h + 1) * kPairs; v++) {
         simd::Vector16 xv[kLive];
         for (int i = 0; i < kLive; i++) xv[i] = simd::load_vector(xp + 32 * v + 16 * i);
