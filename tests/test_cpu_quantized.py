@@ -87,12 +87,13 @@ def test_streaming_kernel_is_the_product(qtype, m, dtype):
 @pytest.mark.parametrize("qtype,in_features", [(qtype, k) for qtype in BLOCK_TYPES for k in (256, 576, 1024)
                                                 if k % block_values(qtype) == 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiled_kernel_is_the_streaming_kernel_bit_for_bit(qtype, in_features, dtype):
+@pytest.mark.parametrize("m", [37, 41])
+def test_tiled_kernel_is_the_streaming_kernel_bit_for_bit(qtype, in_features, dtype, m):
     """Many rows of x (weight rows past a task's block and past a 16-row AMX tile, x rows past a
-    tile, a row's tail of blocks, a bias, leading dims): every element the same bits as the
-    streaming kernel's, and as each row of x alone; and near the fp32 product of x (to the
-    rounding of x into 16-bit blocks)."""
-    n, m = 611, 41
+    tile: 37 leave a last tile of at most eight rows, 41 one of more, a row's tail of blocks, a
+    bias, leading dims): every element the same bits as the streaming kernel's, and as each row of
+    x alone; and near the fp32 product of x (to the rounding of x into 16-bit blocks)."""
+    n = 611
     blocks = random_blocks(qtype, n, in_features)
     lanes, kind = kernel_blocks(blocks, qtype, in_features)
     x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(in_features)).to(dtype)
