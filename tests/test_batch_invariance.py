@@ -3,7 +3,8 @@ seed) and their logprobs are the same whatever else shares its steps. The same p
 prompts of mixed lengths, after a prefix-cache hit on its first blocks, and prefilled 32 tokens a
 step: identical tokens and logprobs. The file mixes the block types of a Q4_K_M (Q4_K, Q6_K, Q4_0, Q8_0, Q4_1),
 so every step size runs the streaming kernel (a decode alone) and the tiled one (a prefill, a
-batch of 16), and attention takes one to sixteen query rows a call."""
+batch of 16), with x in 8 bits (q/k/v and down: K-quants only, the byte tiles) and in 16 (the
+rest), and attention takes one to sixteen query rows a call."""
 
 import pytest
 

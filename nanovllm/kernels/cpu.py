@@ -149,11 +149,11 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("nanovllm_cpu::gguf_linear")
-    def _(x, blocks, type, bias, max_streaming_rows):
+    def _(x, blocks, type, bias, max_streaming_rows, activation_bits=16):
         return x.new_empty(*x.shape[:-1], blocks.shape[0])
 
     @torch.library.register_fake("nanovllm_cpu::gguf_linear_parts")
-    def _(x, blocks, parts, out_features, bias, max_streaming_rows):
+    def _(x, blocks, parts, out_features, bias, max_streaming_rows, activation_bits=16):
         return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("nanovllm_cpu::gguf_dequantize")

@@ -53,13 +53,14 @@ def kernel_args(layer: LlamaDecoderLayer) -> tuple[list, list[int]]:
     linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.rotary_emb.cos_sin_cache,
                attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None]
-    kinds, max_rows = [], []
+    kinds, max_rows, bits = [], [], []
     for linear in linears:
-        kind, tensors, rows = linear.linear_method.fused_kernel_args(linear)
+        kind, tensors, rows, activation_bits = linear.linear_method.fused_kernel_args(linear)
         weights += [*tensors, linear.bias]
         kinds.append(kind)
         max_rows.append(rows)
-    return weights, [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, *kinds, *max_rows]
+        bits.append(activation_bits)
+    return weights, [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, *kinds, *max_rows, *bits]
 
 
 class FusedDecoderLayers(nn.Module):

@@ -29,11 +29,12 @@ using Weights = c10::List<std::optional<at::Tensor>>;
 // (qkv, o, gate_up, down) its weight, packed copy, oneDNN copy and bias. settings: heads, KV
 // heads, head dim, then each linear's kind (a GGUF block weight's type id; kGGUFParts for one in
 // parts of differing types, whose parts table takes the packed copy's place; kPackedBF16 for the
-// packed bf16 method) and then each one's row threshold.
+// packed bf16 method), then each one's row threshold, then each one's activation bits (a GGUF
+// weight's x in 8 or 16 bits; unused by the packed bf16 method).
 enum Linear { kQKV, kOut, kGateUp, kDown, kLinears };
 constexpr int64_t kLinearWeights = 5, kWeightsPerLinear = 4, kLinearSettings = 3;
 constexpr int64_t kPackedBF16 = -1, kGGUFParts = -2;
-constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 2 * kLinears;
+constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 3 * kLinears;
 
 // One layer's share of the weights: weight(i) is the layer's i-th in the layout above.
 struct LayerWeights {
@@ -44,14 +45,15 @@ struct LayerWeights {
 
 at::Tensor apply_linear(Linear which, const at::Tensor& x, const LayerWeights& weights, at::IntArrayRef settings) {
   const int64_t first = kLinearWeights + kWeightsPerLinear * which;
-  const int64_t kind = settings[kLinearSettings + which], max_rows = settings[kLinearSettings + kLinears + which];
+  const int64_t kind = settings[kLinearSettings + which], max_rows = settings[kLinearSettings + kLinears + which],
+                bits = settings[kLinearSettings + 2 * kLinears + which];
   const at::Tensor weight = weights.weight(first).value();
   const std::optional<at::Tensor> packed = weights.weight(first + 1), onednn = weights.weight(first + 2),
                                   bias = weights.weight(first + 3);
-  if (kind >= 0) return gguf_linear(x, weight, kind, bias, max_rows);
+  if (kind >= 0) return gguf_linear(x, weight, kind, bias, max_rows, bits);
   if (kind == kGGUFParts) {
     const at::Tensor& parts = packed.value();
-    return gguf_linear_parts(x, weight, parts, gguf_parts_rows(parts), bias, max_rows);
+    return gguf_linear_parts(x, weight, parts, gguf_parts_rows(parts), bias, max_rows, bits);
   }
   TORCH_CHECK(kind == kPackedBF16, "decoder_layers: linear kind ", kind, " is none of a GGUF type, ", kGGUFParts,
               " (GGUF parts) or ", kPackedBF16, " (packed bf16)");

@@ -21,14 +21,16 @@ at::Tensor onednn_pack(const at::Tensor& weight);
 void onednn_release(const at::Tensor& handle);
 
 // quantized.cpp. The products take rows in a lanes layout (type 1000 + the file's), which
-// gguf_repack makes from the file's rows; gguf_dequantize reads either.
+// gguf_repack makes from the file's rows; gguf_dequantize reads either. activation_bits: x's
+// quantized blocks' bits, 8 or 16.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       const std::optional<at::Tensor>& bias, int64_t max_streaming_rows);
+                       const std::optional<at::Tensor>& bias, int64_t max_streaming_rows, int64_t activation_bits);
 // A packed layer's projections in blocks of differing types: their rows one after another in
 // `blocks` (1-D), parts int64 [P, 2] as (rows, type) in output order, out_features their rows
 // (gguf_parts_rows: the table checked and its rows summed).
 at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
-                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows);
+                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows,
+                             int64_t activation_bits);
 int64_t gguf_parts_rows(const at::Tensor& parts);
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features);
 // A file's rows in their format's lanes layout (type 1000 + theirs).

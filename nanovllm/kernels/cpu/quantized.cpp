@@ -8,15 +8,16 @@
 // Every step multiplies as llama.cpp does, in integers: each row of x is quantized once to blocks
 // of 32 with an fp32 scale (and its sum, for the formats with an offset), and each 32 values of a
 // weight row, widened to 16-bit integers, meet it in integer dot products scaled in fp32 by both
-// blocks' scales. Unlike llama.cpp's 8 bits, x keeps 16 bits a value: with 8 the default model
-// misses the quality floor of top-1 agreement with its dense self (benchmarks/RESULTS.md).
+// blocks' scales. x takes the bits its caller asks for (activation_bits): 16, or 8 where a
+// layer's types are ones llama.cpp meets with coarser 8-bit blocks (the K-quants: the caller's
+// choice, layers/quantization/cpu_gguf.py), on which the tiles multiply bytes.
 // A few rows of x (decode) stream each weight row from its blocks once (streaming_linear): the
 // weight leaves memory once at its own size (0.56-1.06 bytes a value), the point of a quantized
 // file on a CPU. Many rows (prefill, a batch) decode blocks of weight rows into cache and tile
 // them against x (tiled_linear), with the same arithmetic for each output element in the same
-// order (RowSums), so that a row's result is the same bits whatever else shares its step; in
-// the `amx` variant the tiles' integer sums come from AMX-INT8 tiles (amx_tile), the rest as
-// RowSums has it.
+// order (RowSums), so that a row's result is the same bits whatever else shares its step: a
+// weight pair or quad of bytes broadcast against 16 rows of x (vector_tile), or in the `amx`
+// variant AMX-INT8 tiles (amx_tile), give the integer sums, the rest as RowSums has it.
 
 #include "ops.h"
 #include "simd.h"
@@ -29,6 +30,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -289,6 +291,8 @@ struct Q4_KLanes {
   static constexpr bool kWholeRow = true;
   static constexpr bool kTail = false;
   static constexpr int kGroupBytes = kBytes, kHeaderBytes = 20;
+  // The byte tiles' weights (ByteProducts): each value plus kByteBias, at most kByteMax.
+  static constexpr int kByteMax = 15, kByteBias = 0;
   static Vec8 scales(const uint8_t* group) {
     return simd::mul8(simd::set1_8(simd::two_halves_at(group).first), simd::bytes_at(group + 4));
   }
@@ -303,6 +307,7 @@ struct Q4_KLanes {
 // Type id 1013, this project's.
 struct Q5_KLanes : Q4_KLanes {
   static constexpr int kType = kLanesTypeBase + Q5_K::kType, kBytes = 180, kGroupBytes = kBytes;
+  static constexpr int kByteMax = 31;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
 };
 
@@ -334,6 +339,7 @@ struct Q6_KLanes {
   static constexpr bool kWholeRow = true;
   static constexpr bool kTail = false;
   static constexpr int kGroupBytes = kBytes, kHeaderBytes = 18;
+  static constexpr int kByteMax = 63, kByteBias = 32;  // values -32 to 31, centred
   static Vec8 scales(const uint8_t* group) { return scaled(group, 2); }        // the chunks' first halves
   static Vec8 high_scales(const uint8_t* group) { return scaled(group, 10); }  // their second halves
   static Vec8 offsets(const uint8_t*, Vec8) { return simd::zero8(); }
@@ -504,19 +510,20 @@ inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
     for (int64_t b = 0; b < K / F::kValues; b++) F::chunks(row + b * F::kBytes, b * (F::kValues / 32), visit);
 }
 
-// Rows of x quantized to blocks of 32 16-bit values (|q| <= 32767) with the block's fp32 scale and
-// the sum of its quantized values (times a format's offset, the offset's share of the dot product),
-// so the product is exactly that of x rounded to these blocks with the dequantized weight.
+// Rows of x quantized to blocks of 32 values of `bits` bits (16: |q| <= 32767; 8: |q| <= 127, kept
+// in 16-bit words all the same) with the block's fp32 scale and the sum of its quantized values
+// (times a format's offset, the offset's share of the dot product), so the product is exactly that
+// of x rounded to these blocks with the dequantized weight.
 struct QuantizedRows {
-  int64_t chunks;
+  int64_t chunks, bits;
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
 
   // Each row's groups of eight chunks are laid out as the lanes formats' quads (value j of a
   // group's chunk l in vector j / 2, word 2l + j % 2); the last K % 256 values in order.
   template <typename T>
-  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K)
-      : chunks(K / 32), q(M * K), scale(M * chunks), sum(M * chunks) {
+  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, int64_t bits)
+      : chunks(K / 32), bits(bits), q(M * K), scale(M * chunks), sum(M * chunks) {
     // A row's units: its groups, then its other chunks one by one.
     const int64_t groups = K / 256, units = groups + chunks - 8 * groups;
     parallel_for(0, M * units, 8, [&](int64_t begin, int64_t end) {
@@ -544,7 +551,7 @@ struct QuantizedRows {
   Words quantize(const T* row, int64_t m, int64_t c) {
     const simd::Vec lo = load16(row + 32 * c), hi = load16(row + 32 * c + 16);
     const float amax = simd::reduce_max(simd::max(magnitude(lo), magnitude(hi)));
-    const float d = amax / 32767.0f;
+    const float d = amax / (bits == 8 ? 127.0f : 32767.0f);
     const simd::Vec inv = simd::set1(d > 0.0f ? 1.0f / d : 0.0f);
     const Words values = simd::round_words(simd::mul(lo, inv), simd::mul(hi, inv));
     scale[m * chunks + c] = d;
@@ -559,9 +566,10 @@ struct QuantizedRows {
 // One row of x's running sums against one weight row of a lanes format, in the order every kernel
 // adds to them: group by group, the group's integer sums (a lane a chunk; two halves where a scale
 // covers 16 values) times the weight's and x's chunk scales, the offsets' share apart; then the
-// row's tail chunks one by one. The row kernel (lanes_dot_rows) and the tiled one (lanes_tile)
-// both add through it: integer sums are exact whatever their order, so an output element comes
-// out the same bits whichever kernel, step size or batch computed it.
+// row's tail chunks one by one. The row kernel (lanes_dot_rows) adds through it and the tiled ones
+// (vector_tile, amx_tile) repeat its steps vectorised over rows of x: integer sums are exact
+// whatever their order, so an output element comes out the same bits whichever kernel, step size
+// or batch computed it.
 struct RowSums {
   Vec8 acc, offsets;
   float tail_offsets;
@@ -608,15 +616,6 @@ struct RowSums {
     }
   }
   float total() const { return simd::reduce_add8(simd::add8(acc, offsets)) + tail_offsets; }
-  // total() of each of n <= 8, bit for bit, eight at once (reduce_add8x8 keeps reduce_add8's tree).
-  static void totals(const RowSums* each, int n, float* out) {
-    Vec8 sums[8];
-    float tails[8] = {}, all[8];
-    for (int i = 0; i < 8; i++) sums[i] = i < n ? simd::add8(each[i].acc, each[i].offsets) : simd::zero8();
-    for (int i = 0; i < n; i++) tails[i] = each[i].tail_offsets;
-    simd::store8(all, simd::add8(simd::reduce_add8x8(sums), simd::load8(tails)));
-    std::copy(all, all + n, out);
-  }
 };
 
 // Bytes ahead of a group that lanes_dot_rows prefetches: the hardware prefetcher alone leaves one
@@ -790,13 +789,15 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 // ---- Many rows: the same sums, tiled -----------------------------------------------------
 // A step of many rows of x (a prefill, a batch) computes every output element with exactly the
 // row kernel's arithmetic (RowSums), in an order that reuses what it loads: each task decodes a
-// block of weight rows once into 16-bit words (a group's sixteen vectors in turn) and fp32 scales
-// and offsets, which stay in L2, and x's rows are laid out once a call in tiles of 16 rows whose
-// pairs of values interleave (PairedX). A tile of kTileRows weight rows by 16 rows of x then
-// multiplies each weight pair, broadcast, with a vector of eight rows' pairs of x: a lane's sum is
-// one output element's, so every chunk's integer sums come out in lanes of rows of x and meet
-// their scales as the AMX tiles' do (a chunk's sum in the lane of its chunk modulo 8 of RowSums,
-// vectorised over rows of x), the same operations in the same order as RowSums.
+// block of weight rows once (DecodedRows), which stays in L2, and x's rows are laid out once a
+// call in tiles of 16 rows (TiledX). A tile of kTileRows weight rows by 16 rows of x
+// (vector_tile) then multiplies each weight's pair of values, or quad where it takes bytes,
+// broadcast, with a vector of eight rows' pairs (quads) of x: a lane's sum is one output
+// element's, so every chunk's integer sums come out in lanes of rows of x and meet their scales
+// as the AMX tiles' do (a chunk's sum in the lane of its chunk modulo 8 of RowSums, vectorised
+// over rows of x), the same operations in the same order as RowSums. Bytes where x has 8 bits
+// and the weight's values fit a byte unsigned (the K-quants: kByteTiles), twice the products an
+// instruction of 16-bit pairs; both sums are exact, so either gives the same bits.
 
 // Weight rows a tile: their sums (two vectors a row), x's two vectors, a broadcast pair and a
 // product fit AVX2's sixteen registers (4 x 2 + 4; with 5 rows GCC spills in the inner loop).
@@ -817,28 +818,52 @@ int64_t block_rows(int64_t N, int64_t K, int64_t tile_rows) {
   return std::max(tile_rows, std::min(by_cache, (by_balance + tile_rows - 1) / tile_rows * tile_rows));
 }
 
-// A block of a lanes format's rows decoded: group g of row r as 256 words at values[(r * groups +
-// g) * 256] (the lanes layout: chunk l's values 2v and 2v + 1 are words 16v + 2l and 16v + 2l + 1)
-// and kHalves scale vectors then one of offsets at scales[(r * groups + g) * kStride]; the row's
-// tail chunks (Lanes<Base>'s last K % 256 values) as Base's chunks give them. In a task's buffers
-// (DecodeBuffers, sized for any format). Rows past the block's end keep what an earlier block
-// left (or zeros): tiles compute them and store nothing.
+// Whether format F's tiles multiply bytes when x has 8 bits: its values plus F::kByteBias fit a
+// byte unsigned (at most F::kByteMax), and it has no tail chunks.
+template <class F, class = void>
+struct HasByteTiles : std::false_type {};
+template <class F>
+struct HasByteTiles<F, std::void_t<decltype(F::kByteMax)>> : std::true_type {};
+template <class F>
+constexpr bool kByteTiles = HasByteTiles<F>::value;
+
+// A block of a lanes format's rows decoded: the values of group g of row r as 256 words at
+// values[(r * groups + g) * 256] (the lanes layout: chunk l's values 2v and 2v + 1 are words
+// 16v + 2l and 16v + 2l + 1), or as bytes, chunk c of row r's 32 values plus F::kByteBias in
+// order at bytes[(r * 8 groups + c) * 32]; kHalves scale vectors then one of offsets at
+// scales[(r * groups + g) * kStride]; the row's tail chunks (Lanes<Base>'s last K % 256 values)
+// as Base's chunks give them. In a task's buffers (DecodeBuffers, sized for any format). Rows
+// past the block's end keep what an earlier block left (or zeros): tiles compute them and store
+// nothing.
 template <class F>
 struct DecodedRows {
   static constexpr int kHalves = F::kScalePer16 ? 2 : 1, kStride = 8 * (kHalves + 1);
   int64_t groups, tail;  // groups and tail chunks a row
   int16_t* values;
+  uint8_t* bytes;
   float* scales;
   Words* tail_values;
   float* tail_scales;
   float* tail_offsets;
 
+  // `rows` rows w_stride bytes apart, their values as bytes (kBytes) or words.
+  template <bool kBytes>
   void decode(const uint8_t* w, int64_t w_stride, int64_t rows) {
+    static_assert(!kBytes || (kByteTiles<F> && !F::kTail));
     for (int64_t r = 0; r < rows; r++) {
       const uint8_t* row = w + r * w_stride;
       for (int64_t g = 0; g < groups; g++) {
         const uint8_t* group = row + g * F::kGroupBytes;
-        for (int j = 0; j < 4; j++) simd::store_quad(values + (r * groups + g) * 256 + 64 * j, F::quad(group + F::kHeaderBytes, j));
+        simd::Quad quads[4];
+        for (int j = 0; j < 4; j++) quads[j] = F::quad(group + F::kHeaderBytes, j);
+        if constexpr (kBytes) {
+          Words chunks[8];
+          simd::quads_to_chunks(quads, chunks);
+          for (int l = 0; l < 8; l++)
+            simd::store_biased_bytes(chunks[l], F::kByteBias, bytes + ((r * groups + g) * 8 + l) * 32);
+        } else {
+          for (int j = 0; j < 4; j++) simd::store_quad(values + (r * groups + g) * 256 + 64 * j, quads[j]);
+        }
         float* s = scales + (r * groups + g) * kStride;
         const Vec8 d = F::scales(group);
         simd::store8(s, d);
@@ -855,6 +880,7 @@ struct DecodedRows {
     }
   }
   const int16_t* vectors(int64_t r, int64_t g) const { return values + (r * groups + g) * 256; }
+  const uint8_t* chunk_bytes(int64_t r, int64_t c) const { return bytes + (r * groups * 8 + c) * 32; }
   const float* scales_of(int64_t r, int64_t g) const { return scales + (r * groups + g) * kStride; }
   // Tail chunk j of row r, its 32 values in order.
   const int16_t* tail_words(int64_t r, int64_t j) const {
@@ -866,30 +892,38 @@ struct DecodedRows {
 struct DecodeBuffers {
   int64_t groups, tail;
   std::vector<int16_t> values;
+  std::vector<uint8_t> bytes;
   std::vector<float> scales, tail_offsets;
   std::vector<Words> tail_values;
   std::vector<float> tail_scales;
 
   DecodeBuffers(int64_t rows, int64_t K)
-      : groups(K / 256), tail(K / 32 - K / 256 * 8), values(rows * groups * 256), scales(rows * groups * 24),
-        tail_offsets(rows * tail), tail_values(rows * tail), tail_scales(rows * tail) {}
+      : groups(K / 256), tail(K / 32 - K / 256 * 8), values(rows * groups * 256), bytes(rows * groups * 256),
+        scales(rows * groups * 24), tail_offsets(rows * tail), tail_values(rows * tail), tail_scales(rows * tail) {}
   template <class F>
   DecodedRows<F> rows() {
-    return {groups, tail, values.data(), scales.data(), tail_values.data(), tail_scales.data(), tail_offsets.data()};
+    return {groups,           tail, values.data(), bytes.data(), scales.data(), tail_values.data(), tail_scales.data(),
+            tail_offsets.data()};
   }
 };
 
-// x's rows as the tiles take them: for each tile of 16 rows and each chunk, the chunk's 16 pairs
-// of values in turn, each as its 16 rows' pairs (rows 0-7 a vector, 8-15 the next), and the
-// chunks' scales and sums by row; rows past M are zeros.
-struct PairedX {
+// x's rows as the tiles take them, in tiles of 16 rows (rows past M are zeros): for each tile and
+// chunk, the chunk's scales and sums by row, and its values as the products read them: `pairs`,
+// its 16 pairs of words in turn, each as the 16 rows' pairs (rows 0-7 a vector, 8-15 the next);
+// `quads` (x of 8 bits), its 8 quads of bytes in turn, each as the 16 rows' quads, with the
+// integer sum of each half of the chunk by row (what a weight's byte bias adds to the products).
+struct TiledX {
   int64_t tiles, chunks;
-  std::vector<int16_t> values;    // [tile][chunk][pair][row][2]
-  std::vector<float> scale, sum;  // [tile][chunk][row]
+  std::vector<int16_t> pairs;      // [tile][chunk][pair][row][2], where asked for
+  std::vector<int8_t> quads;       // [tile][chunk][quad][row][4], where asked for
+  std::vector<int32_t> half_sums;  // [tile][chunk][half][row], with the quads
+  std::vector<float> scale, sum;   // [tile][chunk][row]
 
-  PairedX(const QuantizedRows& x, int64_t M)
-      : tiles((M + 15) / 16), chunks(x.chunks), values(tiles * chunks * 512), scale(tiles * chunks * 16),
-        sum(tiles * chunks * 16) {
+  TiledX(const QuantizedRows& x, int64_t M, bool with_pairs, bool with_quads)
+      : tiles((M + 15) / 16), chunks(x.chunks), pairs(with_pairs ? tiles * chunks * 512 : 0),
+        quads(with_quads ? tiles * chunks * 512 : 0), half_sums(with_quads ? tiles * chunks * 32 : 0),
+        scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
+    TORCH_INTERNAL_ASSERT(!with_quads || x.bits == 8, "quads of bytes need x in 8 bits");
     const int64_t grouped = x.chunks / 8 * 8;
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; m++)
@@ -898,49 +932,102 @@ struct PairedX {
           // A group's chunk l has pair v at words 16v + 2l; a tail chunk's values are in order.
           const int16_t* from = c < grouped ? x.values(m, c / 8 * 8) + 2 * (c % 8) : x.values(m, c);
           const int64_t step = c < grouped ? 16 : 2;
-          int16_t* to = &values[at * 512 + 2 * i];
-          for (int v = 0; v < 16; v++) std::memcpy(to + 32 * v, from + step * v, 4);
+          if (with_pairs)
+            for (int v = 0; v < 16; v++) std::memcpy(&pairs[at * 512 + 2 * i + 32 * v], from + step * v, 4);
+          if (with_quads) {
+            int32_t halves[2] = {0, 0};
+            for (int v = 0; v < 16; v++)  // values 2v and 2v + 1: quad v / 2's bytes 2 (v % 2) and on
+              for (int k = 0; k < 2; k++) {
+                quads[at * 512 + 64 * (v / 2) + 4 * i + 2 * (v % 2) + k] = int8_t(from[step * v + k]);
+                halves[v / 8] += from[step * v + k];
+              }
+            for (int h = 0; h < 2; h++) half_sums[(at * 2 + h) * 16 + i] = halves[h];
+          }
           scale[at * 16 + i] = x.scale[m * chunks + c];
           sum[at * 16 + i] = x.sum[m * chunks + c];
         }
     });
   }
-  const int16_t* pairs(int64_t tile, int64_t c) const { return &values[(tile * chunks + c) * 512]; }
+  const int16_t* pairs_of(int64_t tile, int64_t c) const { return &pairs[(tile * chunks + c) * 512]; }
+  const int8_t* quads_of(int64_t tile, int64_t c) const { return &quads[(tile * chunks + c) * 512]; }
+  const int32_t* half_sums_of(int64_t tile, int64_t c, int h) const {
+    return &half_sums[((tile * chunks + c) * 2 + h) * 16];
+  }
   const float* scales(int64_t tile, int64_t c) const { return &scale[(tile * chunks + c) * 16]; }
   const float* sums(int64_t tile, int64_t c) const { return &sum[(tile * chunks + c) * 16]; }
 };
 
-// out[r][m] = decoded row t + r . x row 16 xt + m, for r < kTileRows and m < 8 kLive (the rows of x
-// whose vectors are computed: 1 where at most eight of the tile's rows are real). RowSums'
-// accumulators, lane by lane: acc[l] takes chunks l, l + 8, .. and offsets[l] their offsets'
-// share, summed apart until the totals, whose tree is reduce_add8's.
+// s[r][i] = half h of chunk c of decoded row t + r (bytes) . that of x's rows 16 xt + 8i to + 7
+// (quads): each weight quad broadcast against eight rows' quads, the ByteSums widened as often as
+// they must to stay exact, the weight's byte bias taken off through x's half sums.
 template <class F, int kLive>
-void paired_tile(const DecodedRows<F>& w, int64_t t, const PairedX& x, int64_t xt, float (&out)[kTileRows][16]) {
+__attribute__((always_inline)) inline void byte_sums(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt, int64_t c, int h,
+               simd::Sums (&s)[kTileRows][kLive]) {
+  constexpr int kQuads = 8 / DecodedRows<F>::kHalves;  // a half's
+  constexpr int kRun = std::min(kQuads, simd::byte_quads_per_widen(F::kByteMax));
+  static_assert(kRun >= 1 && kQuads % kRun == 0);
+  const int8_t* xq = x.quads_of(xt, c) + 64 * kQuads * h;
+  for (auto& row : s)
+    for (simd::Sums& sum : row) sum = simd::zero_sums();
+  for (int q0 = 0; q0 < kQuads; q0 += kRun) {
+    simd::ByteSums p[kTileRows][kLive];
+    for (auto& row : p)
+      for (simd::ByteSums& sum : row) sum = simd::zero_byte_sums();
+#pragma GCC unroll 4
+    for (int q = q0; q < q0 + kRun; q++) {
+      simd::ByteVector xv[kLive];
+      for (int i = 0; i < kLive; i++) xv[i] = simd::load_byte_vector(xq + 64 * q + 32 * i);
+#pragma GCC unroll 8
+      for (int r = 0; r < kTileRows; r++) {
+        const simd::ByteVector b = simd::broadcast_quad(w.chunk_bytes(t + r, c) + 4 * (kQuads * h + q));
+        for (int i = 0; i < kLive; i++) p[r][i] = simd::dot_bytes(b, xv[i], p[r][i]);
+      }
+    }
+    for (int r = 0; r < kTileRows; r++)
+      for (int i = 0; i < kLive; i++) s[r][i] = simd::widen_byte_sums(p[r][i], s[r][i]);
+  }
+  if constexpr (F::kByteBias != 0)
+    for (int i = 0; i < kLive; i++) {
+      const simd::Sums bias = simd::times(simd::load_sums(x.half_sums_of(xt, c, h) + 8 * i), F::kByteBias);
+      for (int r = 0; r < kTileRows; r++) s[r][i] = simd::sub_sums(s[r][i], bias);
+    }
+}
+
+// out[r][m] = decoded row t + r . x row 16 xt + m, for r < kTileRows and m < 8 kLive (the rows of x
+// whose vectors are computed: 1 where at most eight of the tile's rows are real), from bytes
+// (kBytes) or pairs of words. RowSums' accumulators, lane by lane: acc[l] takes chunks l, l + 8,
+// .. and offsets[l] their offsets' share, summed apart until the totals, whose tree is reduce_add8's.
+template <class F, int kLive, bool kBytes>
+void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt, float (&out)[kTileRows][16]) {
   constexpr int kHalves = DecodedRows<F>::kHalves, kPairs = 16 / kHalves;
   Vec8 acc[8][kTileRows][kLive];
   for (auto& lane : acc)
     for (auto& row : lane)
       for (Vec8& a : row) a = simd::zero8();
-  // Chunk c: `pair(r, v)` weight row t + r's pair v, `scale(r, h)` its scale for half h.
+  // Chunk c: `pair(r, v)` weight row t + r's pair v of words, `scale(r, h)` its scale for half h.
   const auto chunk = [&](int64_t c, auto&& pair, auto&& scale) {
-    const int16_t* xp = x.pairs(xt, c);
     Vec8 xs[kLive];
     for (int i = 0; i < kLive; i++) xs[i] = simd::load8(x.scales(xt, c) + 8 * i);
 #pragma GCC unroll 2
     for (int h = 0; h < kHalves; h++) {
       simd::Sums s[kTileRows][kLive];
-      for (auto& row : s)
-        for (simd::Sums& sum : row) sum = simd::zero_sums();
-      // Four pairs an iteration (a Q6_K half's eight in two): with two, Q6_K's short loop costs a
-      // fifth of its time; with eight or sixteen, GCC spills the sums (benchmarks/RESULTS.md).
+      if constexpr (kBytes) {
+        byte_sums<F, kLive>(w, t, x, xt, c, h, s);
+      } else {
+        const int16_t* xp = x.pairs_of(xt, c);
+        for (auto& row : s)
+          for (simd::Sums& sum : row) sum = simd::zero_sums();
+        // Four pairs an iteration (a Q6_K half's eight in two): with two, Q6_K's halves run as
+        // short loops; with eight or sixteen, GCC spills the sums (benchmarks/RESULTS.md).
 #pragma GCC unroll 4
-      for (int v = h * kPairs; v < (h + 1) * kPairs; v++) {
-        simd::Vector16 xv[kLive];
-        for (int i = 0; i < kLive; i++) xv[i] = simd::load_vector(xp + 32 * v + 16 * i);
+        for (int v = h * kPairs; v < (h + 1) * kPairs; v++) {
+          simd::Vector16 xv[kLive];
+          for (int i = 0; i < kLive; i++) xv[i] = simd::load_vector(xp + 32 * v + 16 * i);
 #pragma GCC unroll 8
-        for (int r = 0; r < kTileRows; r++) {
-          const simd::Vector16 b = simd::broadcast_pair(pair(r, v));
-          for (int i = 0; i < kLive; i++) s[r][i] = simd::dot_vector(b, xv[i], s[r][i]);
+          for (int r = 0; r < kTileRows; r++) {
+            const simd::Vector16 b = simd::broadcast_pair(pair(r, v));
+            for (int i = 0; i < kLive; i++) s[r][i] = simd::dot_vector(b, xv[i], s[r][i]);
+          }
         }
       }
       for (int r = 0; r < kTileRows; r++) {
@@ -982,8 +1069,8 @@ inline void convert16(simd::Vec x, float* out) { simd::store(out, x); }
 inline void convert16(simd::Vec x, BFloat16* out) { simd::store_bf16(out, x); }
 
 // A block of a part's rows (from r0, decoded) against every row of x, tile by tile.
-template <class F, typename T>
-void paired_block(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t rows, const PairedX& x, int64_t M,
+template <class F, bool kBytes, typename T>
+void vector_block(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t rows, const TiledX& x, int64_t M,
                   const float* bias, T* y, int64_t N) {
   for (int64_t p0 = 0; p0 < x.tiles; p0 += kXTilesPerPanel)
     for (int64_t t = 0; t < rows; t += kTileRows)
@@ -991,9 +1078,9 @@ void paired_block(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t
         const int64_t live = std::min<int64_t>(16, M - 16 * xt);
         float out[kTileRows][16];
         if (live > 8)
-          paired_tile<F, 2>(w, t, x, xt, out);
+          vector_tile<F, 2, kBytes>(w, t, x, xt, out);
         else
-          paired_tile<F, 1>(w, t, x, xt, out);
+          vector_tile<F, 1, kBytes>(w, t, x, xt, out);
         // y's columns n0 .. over the tile's rows of x, converted a column at once and stored a row at once.
         const int64_t n0 = part.first + r0 + t, columns = std::min<int64_t>(kTileRows, rows - t);
         T converted[kTileRows][16];
@@ -1161,8 +1248,16 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
   const int64_t per_block = block_rows(N, K, kTileRows);
   constexpr bool amx_x = false;
 #endif
-  std::optional<PairedX> paired_x;  // the vector tiles' x (not made where AMX tiles multiply)
-  if (!amx_x) paired_x.emplace(xq, M);
+  // Whether a part's tiles multiply bytes (else pairs of words).
+  const auto takes_bytes = [&](const Part& part) {
+    bool bytes = false;
+    with_lanes_format(part.type, [&](auto format) { bytes = kByteTiles<decltype(format)> && xq.bits == 8; });
+    return bytes;
+  };
+  std::optional<TiledX> tiled_x;  // the vector tiles' x (not made where AMX tiles multiply)
+  if (!amx_x)
+    tiled_x.emplace(xq, M, !std::all_of(parts.begin(), parts.end(), takes_bytes),
+                    std::any_of(parts.begin(), parts.end(), takes_bytes));
   std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
   for (const Part& part : parts)
     for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
@@ -1185,8 +1280,14 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
 #endif
         if (!buffers) buffers.emplace(per_block, K);
         DecodedRows<F> w = buffers->rows<F>();
-        w.decode(part->w + r0 * part->w_stride, part->w_stride, rows);
-        paired_block<F>(w, *part, r0, rows, *paired_x, M, bias, y, N);
+        const uint8_t* first = part->w + r0 * part->w_stride;
+        if constexpr (kByteTiles<F>)
+          if (xq.bits == 8) {
+            w.template decode<true>(first, part->w_stride, rows);
+            return vector_block<F, true>(w, *part, r0, rows, *tiled_x, M, bias, y, N);
+          }
+        w.template decode<false>(first, part->w_stride, rows);
+        vector_block<F, false>(w, *part, r0, rows, *tiled_x, M, bias, y, N);
       });
     }
   });
@@ -1203,8 +1304,11 @@ void check_blocks(const at::Tensor& blocks, int64_t K) {
 
 // y = x W^T (+ bias) over a weight in `parts` (lanes layouts) covering N output columns.
 at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vector<Part>& parts, int64_t N,
-                             const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
+                             const std::optional<at::Tensor>& bias, int64_t max_streaming_rows,
+                             int64_t activation_bits) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bf16 or fp32");
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, op, ": activation_bits is ", activation_bits,
+              "; x is quantized to 8 or 16 bits");
   const int64_t K = x.size(-1);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
@@ -1218,7 +1322,7 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
   const auto run = [&](auto* x_rows, auto* y_rows) {
-    const QuantizedRows xq(x_rows, K, M, K);
+    const QuantizedRows xq(x_rows, K, M, K, activation_bits);
     if (M > max_streaming_rows)
       tiled_linear(xq, parts, b, y_rows, M, N, K);
     else
@@ -1234,11 +1338,11 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                       const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
+                       const std::optional<at::Tensor>& bias, int64_t max_streaming_rows, int64_t activation_bits) {
   const int64_t N = blocks.size(0);
   with_lanes_format(type, [&](auto format) { check_blocks<decltype(format)>(blocks, x.size(-1)); });
   return linear_over_parts("gguf_linear", x, {Part{type, blocks.data_ptr<uint8_t>(), blocks.stride(0), 0, N}}, N, bias,
-                           max_streaming_rows);
+                           max_streaming_rows, activation_bits);
 }
 
 int64_t gguf_parts_rows(const at::Tensor& parts) {
@@ -1254,7 +1358,8 @@ int64_t gguf_parts_rows(const at::Tensor& parts) {
 }
 
 at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
-                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows) {
+                             int64_t out_features, const std::optional<at::Tensor>& bias, int64_t max_streaming_rows,
+                             int64_t activation_bits) {
   TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "gguf_linear_parts: the parts' rows as one contiguous uint8 tensor");
   const int64_t N = gguf_parts_rows(parts);
@@ -1276,7 +1381,7 @@ at::Tensor gguf_linear_parts(const at::Tensor& x, const at::Tensor& blocks, cons
   }
   TORCH_CHECK(offset == blocks.numel(), "gguf_linear_parts: the parts' rows take ", offset, " bytes; blocks hold ",
               blocks.numel());
-  return linear_over_parts("gguf_linear_parts", x, list, N, bias, max_streaming_rows);
+  return linear_over_parts("gguf_linear_parts", x, list, N, bias, max_streaming_rows, activation_bits);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_features) {

@@ -18,8 +18,9 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("onednn_pack(Tensor weight) -> Tensor");
   m.def("onednn_release(Tensor handle) -> ()");
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_streaming_rows) -> Tensor");
-  m.def("gguf_linear_parts(Tensor x, Tensor blocks, Tensor parts, int out_features, Tensor? bias, int max_streaming_rows) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_streaming_rows, int activation_bits=16) -> Tensor");
+  m.def("gguf_linear_parts(Tensor x, Tensor blocks, Tensor parts, int out_features, Tensor? bias, int max_streaming_rows, "
+        "int activation_bits=16) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("gguf_repack(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");

@@ -649,6 +649,48 @@ inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {_mm256_dpwssd_e
 #else
 inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {_mm256_add_epi32(s.v, _mm256_madd_epi16(w.v, x.v))}; }
 #endif
+// The 8-bit tiles' operands (ByteVector): eight rows' quads of x (four signed bytes a lane), or
+// one weight quad (four unsigned bytes) in every lane. A lane of ByteSums gathers one row's
+// products: AVX2 in its two 16-bit halves (vpmaddubsw, two products a half, then vpaddw), widened
+// to the lane's int32 by widen_byte_sums; AVX-512 VNNI in the 32-bit lane itself (vpdpbusd).
+struct ByteVector {
+  __m256i v;
+};
+struct ByteSums {
+  __m256i v;
+};
+inline ByteVector load_byte_vector(const int8_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+inline ByteVector broadcast_quad(const uint8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, 4);
+  return {_mm256_set1_epi32(quad)};
+}
+inline ByteSums zero_byte_sums() { return {_mm256_setzero_si256()}; }
+#if defined(NANOVLLM_SIMD_AVX512)
+inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) { return {_mm256_dpbusd_epi32(s.v, w.v, x.v)}; }
+inline Sums widen_byte_sums(ByteSums p, Sums s) { return {_mm256_add_epi32(s.v, p.v)}; }
+// Quads of weights up to max_weight (with |x| <= 127) a ByteSums takes before it must be widened.
+inline constexpr int byte_quads_per_widen(int) { return 1 << 16; }
+#else
+inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) {
+  return {_mm256_add_epi16(s.v, _mm256_maddubs_epi16(w.v, x.v))};
+}
+inline Sums widen_byte_sums(ByteSums p, Sums s) {
+  return {_mm256_add_epi32(s.v, _mm256_madd_epi16(p.v, _mm256_set1_epi16(1)))};
+}
+// A 16-bit half takes two products a quad, each at most max_weight x 127 in magnitude: exact (no
+// saturation, no wrap) while the quads' sum stays within 32767.
+inline constexpr int byte_quads_per_widen(int max_weight) { return 32767 / (2 * 127 * max_weight); }
+#endif
+inline Sums load_sums(const int32_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
+inline Sums times(Sums x, int32_t k) { return {_mm256_mullo_epi32(x.v, _mm256_set1_epi32(k))}; }
+inline Sums sub_sums(Sums a, Sums b) { return {_mm256_sub_epi32(a.v, b.v)}; }
+// The 32 values plus `bias` as unsigned bytes, in order (each must then lie in 0-255).
+inline void store_biased_bytes(Words w, int16_t bias, uint8_t* out) {
+  const __m256i b = _mm256_set1_epi16(bias);
+  const __m256i packed = _mm256_packus_epi16(_mm256_add_epi16(w.lo, b), _mm256_add_epi16(w.hi, b));
+  _mm256_storeu_si256((__m256i*)out, _mm256_permute4x64_epi64(packed, 0xd8));  // packus interleaves halves
+}
 // Eight rows of eight 32-bit lanes transposed.
 inline void transpose8(const __m256i* in, __m256i* out) {
   __m256 t[8], u[8];
@@ -769,16 +811,6 @@ inline float reduce_add8(Vec8 x) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(x.v), _mm256_extractf128_ps(x.v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
   return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-// Lane j: reduce_add8(v[j]) bit for bit (the same tree: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))),
-// eight at once through a transpose.
-inline Vec8 reduce_add8x8(const Vec8 v[8]) {
-  __m256i in[8], t[8];
-  for (int j = 0; j < 8; j++) in[j] = _mm256_castps_si256(v[j].v);
-  transpose8(in, t);
-  const auto lane = [&](int i) { return _mm256_castsi256_ps(t[i]); };
-  return {_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane(0), lane(4)), _mm256_add_ps(lane(2), lane(6))),
-                        _mm256_add_ps(_mm256_add_ps(lane(1), lane(5)), _mm256_add_ps(lane(3), lane(7))))};
 }
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 // The fp16 values at p and p + 2, converted from one 4-byte load.
@@ -929,6 +961,46 @@ inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) {
   for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(w.v[i]) * x.v[i];
   return s;
 }
+struct ByteVector {
+  int8_t v[32];
+};
+using ByteSums = Sums;  // each lane's products summed in 32 bits at once
+inline ByteVector load_byte_vector(const int8_t* p) {
+  ByteVector b;
+  std::memcpy(b.v, p, 32);
+  return b;
+}
+inline ByteVector broadcast_quad(const uint8_t* p) {
+  ByteVector b;
+  for (int i = 0; i < 32; i++) b.v[i] = int8_t(p[i % 4]);
+  return b;
+}
+inline ByteSums zero_byte_sums() { return {}; }
+inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) {
+  for (int i = 0; i < 32; i++) s.v[i / 4] += int32_t(uint8_t(w.v[i])) * x.v[i];
+  return s;
+}
+inline Sums widen_byte_sums(ByteSums p, Sums s) {
+  for (int i = 0; i < 8; i++) s.v[i] += p.v[i];
+  return s;
+}
+inline constexpr int byte_quads_per_widen(int) { return 1 << 16; }
+inline Sums load_sums(const int32_t* p) {
+  Sums s;
+  std::memcpy(s.v, p, 32);
+  return s;
+}
+inline Sums times(Sums x, int32_t k) {
+  for (int32_t& v : x.v) v *= k;
+  return x;
+}
+inline Sums sub_sums(Sums a, Sums b) {
+  for (int i = 0; i < 8; i++) a.v[i] -= b.v[i];
+  return a;
+}
+inline void store_biased_bytes(Words w, int16_t bias, uint8_t* out) {
+  for (int i = 0; i < 32; i++) out[i] = uint8_t(w.v[i] + bias);
+}
 inline void quads_to_chunks(const Quad q[4], Words out[8]) {
   for (int c = 0; c < 8; c++)
     for (int j = 0; j < 32; j++) out[c].v[j] = q[j / 8].v[(j / 2) % 4][2 * c + j % 2];
@@ -973,7 +1045,6 @@ inline float reduce_add8(Vec8 x) {  // the AVX reduction's tree
   const float* v = x.v;
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
-inline Vec8 reduce_add8x8(const Vec8 v[8]) { return map8([&](int j) { return reduce_add8(v[j]); }); }
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 inline Vec8 halves_at(const uint8_t* p) {
   uint16_t h[8];

@@ -1,8 +1,9 @@
 """The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) and multiplied by the block kernels (kernels/cpu/quantized.cpp) in integer dot
-products over activations quantized to 16-bit blocks: few rows streaming each weight row from its
-blocks, more rows in tiles over weight rows decoded a block at a time into cache, every output
-element the same bits either way (batch invariance).
+products over activations quantized to blocks of 32 values (8 or 16 bits, by the layer's types:
+activation_bits): few rows streaming each weight row from its blocks, more rows in tiles over
+weight rows decoded a block at a time into cache, every output element the same bits either way
+(batch invariance).
 
 The weight parameter holds the file's rows of blocks ([rows, row bytes], uint8); the layer's own
 weight loader cuts its shard out of them as out of a dense weight (see loader/quantized.py). Once
@@ -31,6 +32,17 @@ MAX_STREAMING_ROWS = 10
 LANES_TYPE_BASE = 1000
 # decoder_layer.cpp's kind for a linear in parts of differing types.
 PARTS_KIND = -2
+# The types whose layers quantize x to 8 bits: those llama.cpp multiplies with x in 256-value Q8_K
+# blocks, coarser than these 32-value ones, so 8 bits stay within llama.cpp's own quality on the
+# same file while the kernels' byte tiles take twice the products an instruction. The rest keep 16
+# bits: llama.cpp's x for them (Q8_0/Q8_1) has these very blocks, and our bf16 hidden states would
+# put 8 bits past its KL (benchmarks/RESULTS.md).
+EIGHT_BIT_ACTIVATION_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
+
+
+def activation_bits(qtypes) -> int:
+    """The bits x is quantized to for a layer whose weight comes in `qtypes`."""
+    return 8 if set(qtypes) <= EIGHT_BIT_ACTIVATION_TYPES else 16
 
 
 def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, int]:
@@ -65,6 +77,7 @@ class CPUGGUFLinearMethod(_BlocksMethod):
         self.type_id = BLOCK_TYPES[qtype]
         self.kernel_type = self.type_id  # the layout the blocks are in: the file's until repacked
         self.dtype = dtype  # of activations, and of the rows an embedding looks up
+        self.activation_bits = activation_bits([qtype])
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         """The blocks parameter (a bias, when there is one, stays the layer's dense parameter)."""
@@ -84,18 +97,19 @@ class CPUGGUFLinearMethod(_BlocksMethod):
             layer.weight.data, self.kernel_type = kernel_blocks(layer.weight.data, self.qtype, self.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.kernel_type, bias, MAX_STREAMING_ROWS)
+        return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.kernel_type, bias, MAX_STREAMING_ROWS,
+                                                  self.activation_bits)
 
-    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
+    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int, int]:
         """The linear as one fused layer's kernel takes it (kernels/cpu/decoder_layer.cpp): its
-        kind (the blocks' type id), weight tensors (blocks; no packed or oneDNN copy) and the rows
-        up to which the streaming kernel runs."""
-        return self.kernel_type, [layer.weight, None, None], MAX_STREAMING_ROWS
+        kind (the blocks' type id), weight tensors (blocks; no packed or oneDNN copy), the rows
+        up to which the streaming kernel runs and the activation bits."""
+        return self.kernel_type, [layer.weight, None, None], MAX_STREAMING_ROWS, self.activation_bits
 
     def logits(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         # x in fp32 makes the kernel return its fp32 sums (the quantized x is the same).
         return torch.ops.nanovllm_cpu.gguf_linear(hidden.float(), layer.weight, self.kernel_type, None,
-                                                  MAX_STREAMING_ROWS)
+                                                  MAX_STREAMING_ROWS, self.activation_bits)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.index_select(0, ids.reshape(-1))
@@ -113,6 +127,7 @@ class CPUGGUFPartsLinearMethod(_BlocksMethod):
     def __init__(self, shard_types: dict[object, str], dtype: torch.dtype):
         self.shard_types = dict(shard_types)
         self.dtype = dtype
+        self.activation_bits = activation_bits(self.shard_types.values())
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         """The loading buffer of blocks, for a packed layer (one with `output_slice`)."""
@@ -148,8 +163,8 @@ class CPUGGUFPartsLinearMethod(_BlocksMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_linear_parts(x, layer.weight, self.parts, self.out_features, bias,
-                                                        MAX_STREAMING_ROWS)
+                                                        MAX_STREAMING_ROWS, self.activation_bits)
 
-    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
+    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int, int]:
         """As CPUGGUFLinearMethod's, the parts table in the packed copy's place."""
-        return PARTS_KIND, [layer.weight, self.parts, None], MAX_STREAMING_ROWS
+        return PARTS_KIND, [layer.weight, self.parts, None], MAX_STREAMING_ROWS, self.activation_bits

@@ -23,10 +23,11 @@ class CPUPackedBF16LinearMethod(UnquantizedLinearMethod):
         return torch.ops.nanovllm_cpu.linear(x, layer.weight, layer.packed_weight, bias, self.max_packed_rows,
                                              layer.onednn_weight)
 
-    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int]:
+    def fused_kernel_args(self, layer: nn.Module) -> tuple[int, list, int, int]:
         """The linear as one fused layer's kernel takes it (kernels/cpu/decoder_layer.cpp): its
-        kind (-1: this method), weight tensors and the rows up to which the packed kernel runs."""
-        return -1, [layer.weight, layer.packed_weight, layer.onednn_weight], self.max_packed_rows
+        kind (-1: this method), weight tensors, the rows up to which the packed kernel runs and
+        activation bits (0: x stays bf16)."""
+        return -1, [layer.weight, layer.packed_weight, layer.onednn_weight], self.max_packed_rows, 0
 
     @classmethod
     def pack_all(cls, layers: list[nn.Module]) -> None:
