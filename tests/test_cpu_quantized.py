@@ -128,8 +128,9 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
                        reference_dequantize(blocks, qtype, in_features))
     for m in (1, 2, 5, 10, 40):  # streaming in one pass, in two; tiled
         x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
-        got = torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 10)
-        assert_near_reference(got, reference_product(x, blocks, qtype, in_features))
+        for bits in (8, 16):  # 8: the K-quants' byte products, words for the rest
+            got = torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 10, bits)
+            assert_near_reference(got, reference_product(x, blocks, qtype, in_features, bits))
     with pytest.raises(RuntimeError, match=f"type {BLOCK_TYPES[qtype]} is not a lanes layout"):
         torch.ops.nanovllm_cpu.gguf_linear(x, blocks, BLOCK_TYPES[qtype], None, 10)
 

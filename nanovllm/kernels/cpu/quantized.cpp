@@ -10,7 +10,7 @@
 // weight row, widened to 16-bit integers, meet it in integer dot products scaled in fp32 by both
 // blocks' scales. x takes the bits its caller asks for (activation_bits): 16, or 8 where a
 // layer's types are ones llama.cpp meets with coarser 8-bit blocks (the K-quants: the caller's
-// choice, layers/quantization/cpu_gguf.py), on which the tiles multiply bytes.
+// choice, layers/quantization/cpu_gguf.py), on which both kernels multiply bytes (kByteProducts).
 // A few rows of x (decode) stream each weight row from its blocks once (streaming_linear): the
 // weight leaves memory once at its own size (0.56-1.06 bytes a value), the point of a quantized
 // file on a CPU. Many rows (prefill, a batch) decode blocks of weight rows into cache and tile
@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -300,6 +301,7 @@ struct Q4_KLanes {
     return simd::mul8(simd::set1_8(-simd::two_halves_at(group).second), simd::bytes_at(group + 12));
   }
   static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) { return simd::nibble_byte_quad(values + 32 * j); }
 };
 
 // Q5_K repacked at load (repack_k_lanes) as Q4_KLanes, its fifth bits after the four nibble
@@ -309,6 +311,9 @@ struct Q5_KLanes : Q4_KLanes {
   static constexpr int kType = kLanesTypeBase + Q5_K::kType, kBytes = 180, kGroupBytes = kBytes;
   static constexpr int kByteMax = 31;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) {
+    return simd::five_bit_byte_quad(values + 32 * j, values + 128, j);
+  }
 };
 
 // IQ4_XS repacked at load (repack_iq4_xs_lanes): each block of 256 values as d (fp16), its eight
@@ -345,6 +350,9 @@ struct Q6_KLanes {
   static Vec8 offsets(const uint8_t*, Vec8) { return simd::zero8(); }
   static simd::Quad quad(const uint8_t* values, int j) {
     return simd::six_bit_quad(values + 32 * j, values + 128 + 32 * (j / 2), 4 * (j % 2));
+  }
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) {
+    return simd::six_bit_byte_quad(values + 32 * j, values + 128 + 32 * (j / 2), 4 * (j % 2));
   }
 
  private:
@@ -513,17 +521,22 @@ inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
 // Rows of x quantized to blocks of 32 values of `bits` bits (16: |q| <= 32767; 8: |q| <= 127, kept
 // in 16-bit words all the same) with the block's fp32 scale and the sum of its quantized values
 // (times a format's offset, the offset's share of the dot product), so the product is exactly that
-// of x rounded to these blocks with the dequantized weight.
+// of x rounded to these blocks with the dequantized weight. With 8 bits and `byte_rows` (the row
+// kernel's steps), each group's values also as bytes (simd::ByteQuad's layout) and the integer sums
+// of its chunks' halves, what the row kernel's byte products read (byte_group_sums).
 struct QuantizedRows {
   int64_t chunks, bits;
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
+  std::vector<int8_t> bytes;       // [row][K]: each group's four ByteQuads
+  std::vector<int32_t> half_sums;  // [row][group][half][chunk of the group]
 
   // Each row's groups of eight chunks are laid out as the lanes formats' quads (value j of a
   // group's chunk l in vector j / 2, word 2l + j % 2); the last K % 256 values in order.
   template <typename T>
-  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, int64_t bits)
-      : chunks(K / 32), bits(bits), q(M * K), scale(M * chunks), sum(M * chunks) {
+  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, int64_t bits, bool byte_rows)
+      : chunks(K / 32), bits(bits), q(M * K), scale(M * chunks), sum(M * chunks),
+        bytes(bits == 8 && byte_rows ? M * K : 0), half_sums(bits == 8 && byte_rows ? M * K / 256 * 16 : 0) {
     // A row's units: its groups, then its other chunks one by one.
     const int64_t groups = K / 256, units = groups + chunks - 8 * groups;
     parallel_for(0, M * units, 8, [&](int64_t begin, int64_t end) {
@@ -535,6 +548,16 @@ struct QuantizedRows {
           simd::Quad quads[4];
           simd::chunks_to_quads(group, quads);
           for (int j = 0; j < 4; j++) simd::store_quad(q.data() + m * K + 256 * u + 64 * j, quads[j]);
+          if (!bytes.empty()) {
+            for (int j = 0; j < 4; j++) simd::store_byte_quad(bytes.data() + m * K + 256 * u + 64 * j, quads[j]);
+            for (int l = 0; l < 8; l++) {
+              int16_t values[32];
+              simd::store_words(values, group[l]);
+              int32_t* halves = &half_sums[(m * (K / 256) + u) * 16 + l];
+              halves[0] = std::accumulate(values, values + 16, 0);
+              halves[8] = std::accumulate(values + 16, values + 32, 0);
+            }
+          }
         } else {
           const int64_t c = 8 * groups + u - groups;
           simd::store_words(q.data() + m * K + 32 * c, quantize(x + m * x_stride, m, c));
@@ -544,6 +567,11 @@ struct QuantizedRows {
   }
   // Chunk c of row m; c's group where c is in one.
   const int16_t* values(int64_t m, int64_t c) const { return q.data() + (m * chunks + c) * 32; }
+  // Group g of row m as ByteQuads; its chunks' sums of values 16h to 16h + 15.
+  const int8_t* group_bytes(int64_t m, int64_t g) const { return bytes.data() + (m * chunks + 8 * g) * 32; }
+  const int32_t* group_half_sums(int64_t m, int64_t g, int h) const {
+    return half_sums.data() + (m * (chunks / 8) + g) * 16 + 8 * h;
+  }
 
  private:
   // Chunk c of a row of x (row m) to 16-bit integers, its scale and the values' sum recorded.
@@ -622,11 +650,54 @@ struct RowSums {
 // thread's stream from memory short of the bandwidth (benchmarks/RESULTS.md).
 constexpr int kPrefetchAhead = 2048;
 
+// Whether format F's values plus F::kByteBias fit a byte unsigned (at most F::kByteMax), so that
+// with x of 8 bits its products can be taken a byte each (the K-quants); it has no tail chunks.
+template <class F, class = void>
+struct HasByteProducts : std::false_type {};
+template <class F>
+struct HasByteProducts<F, std::void_t<decltype(F::kByteMax)>> : std::true_type {};
+template <class F>
+constexpr bool kByteProducts = HasByteProducts<F>::value;
+
+// s[m][h] = the integer sums of group g of a weight row (its quads at `values`) with x row m0 + m's,
+// from bytes: each of the weight's ByteQuads decoded once for the P rows, its products gathered
+// in ByteSums widened as often as they must to stay exact, the byte bias taken off through x's
+// half sums; the same sums as the quads of words give.
+template <class F, int P, int kHalves>
+__attribute__((always_inline)) inline void byte_group_sums(const uint8_t* values, const QuantizedRows& x, int64_t m0,
+                                                           int64_t g, simd::Sums (&s)[P][kHalves]) {
+  constexpr int kVectors = 8 / kHalves;  // a half's byte vectors, two a quad
+  constexpr int kRun = std::min(kVectors, simd::byte_quads_per_widen(F::kByteMax));
+  static_assert(kRun >= 1 && kVectors % kRun == 0);
+  simd::ByteQuad quads[4];
+  for (int j = 0; j < 4; j++) quads[j] = F::byte_quad(values, j);
+  for (int h = 0; h < kHalves; h++) {
+    for (int m = 0; m < P; m++) s[m][h] = simd::zero_sums();
+    for (int v0 = 0; v0 < kVectors; v0 += kRun) {
+      simd::ByteSums p[P];
+      for (int m = 0; m < P; m++) p[m] = simd::zero_byte_sums();
+#pragma GCC unroll 8
+      for (int v = v0; v < v0 + kRun; v++) {
+        const int j = h * kVectors / 2 + v / 2;
+        const simd::ByteVector wv = v % 2 ? quads[j].hi : quads[j].lo;
+#pragma GCC unroll 8
+        for (int m = 0; m < P; m++)
+          p[m] = simd::dot_bytes(wv, simd::load_byte_vector(x.group_bytes(m0 + m, g) + 64 * j + 32 * (v % 2)), p[m]);
+      }
+      for (int m = 0; m < P; m++) s[m][h] = simd::widen_byte_sums(p[m], s[m][h]);
+    }
+    if constexpr (F::kByteBias != 0)
+      for (int m = 0; m < P; m++)
+        s[m][h] = simd::sub_sums(s[m][h], simd::times(simd::load_sums(x.group_half_sums(m0 + m, g, h)), F::kByteBias));
+  }
+}
+
 // out[r * P + m] = weight row r . x row m0 + m, for `rows` consecutive rows of a lanes format and
 // P rows of x quantized in lanes: a group of eight chunks is four quads' multiply-adds into one
-// Sums a row of x, whose lanes are the chunks, then RowSums::add_group. Rows are read one after
-// another, straight from the blocks: one stream for the hardware prefetcher (a decode step).
-template <class F, int P>
+// Sums a row of x, whose lanes are the chunks (or, with kBytes, byte_group_sums' byte products),
+// then RowSums::add_group. Rows are read one after another, straight from the blocks: one stream
+// for the hardware prefetcher (a decode step).
+template <class F, int P, bool kBytes>
 void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K, const QuantizedRows& x,
                     int64_t m0, float* out) {
   // With a scale per 16 values, quads 2 and 3 (the chunks' values 16-31) sum apart: half 1.
@@ -639,14 +710,18 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
       const uint8_t* group = row + g * F::kGroupBytes;
       for (int line = 0; line < F::kGroupBytes; line += 64) simd::prefetch(group + kPrefetchAhead + line);
       simd::Sums s[P][kHalves];
-      for (int m = 0; m < P; m++)
-        for (int h = 0; h < kHalves; h++) s[m][h] = simd::zero_sums();
+      if constexpr (kBytes) {
+        byte_group_sums<F, P, kHalves>(group + F::kHeaderBytes, x, m0, g, s);
+      } else {
+        for (int m = 0; m < P; m++)
+          for (int h = 0; h < kHalves; h++) s[m][h] = simd::zero_sums();
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; j++) {
-        const simd::Quad quad = F::quad(group + F::kHeaderBytes, j);
-        const int h = kHalves == 2 ? j / 2 : 0;
+        for (int j = 0; j < 4; j++) {
+          const simd::Quad quad = F::quad(group + F::kHeaderBytes, j);
+          const int h = kHalves == 2 ? j / 2 : 0;
 #pragma GCC unroll 8
-        for (int m = 0; m < P; m++) s[m][h] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, s[m][h]);
+          for (int m = 0; m < P; m++) s[m][h] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, s[m][h]);
+        }
       }
       Vec8 d[kHalves];
       d[0] = F::scales(group);
@@ -710,9 +785,9 @@ void with_format(int64_t type, Body&& body) {
 // the sixteen ymm registers.
 constexpr int kMaxPass = 8;
 using LanesDotRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const QuantizedRows&, int64_t, float*);
-template <class F, int... Ps>
+template <class F, bool kBytes, int... Ps>
 constexpr auto make_lanes_table(std::integer_sequence<int, Ps...>) {
-  return std::array<LanesDotRowsFn, sizeof...(Ps)>{&lanes_dot_rows<F, Ps + 1>...};
+  return std::array<LanesDotRowsFn, sizeof...(Ps)>{&lanes_dot_rows<F, Ps + 1, kBytes>...};
 }
 
 // A weight's rows as one or more parts, each in one format, one after another in the output: a
@@ -733,7 +808,12 @@ void streaming_rows(const QuantizedRows& xq, const Part& part, int64_t begin, in
     y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
   };
   const auto row = [&](int64_t n) { return part.w + (n - part.first) * part.w_stride; };
-  static constexpr auto table = make_lanes_table<F>(std::make_integer_sequence<int, kMaxPass>{});
+  static constexpr auto words = make_lanes_table<F, false>(std::make_integer_sequence<int, kMaxPass>{});
+  const LanesDotRowsFn* table = words.data();
+  if constexpr (kByteProducts<F>) {
+    static constexpr auto bytes = make_lanes_table<F, true>(std::make_integer_sequence<int, kMaxPass>{});
+    if (!xq.bytes.empty()) table = bytes.data();
+  }
   constexpr int64_t kRun = 32;  // weight rows a call
   float out[kRun * kMaxPass];
   for (int64_t n = begin; n < end; n += kRun) {
@@ -796,7 +876,7 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 // element's, so every chunk's integer sums come out in lanes of rows of x and meet their scales
 // as the AMX tiles' do (a chunk's sum in the lane of its chunk modulo 8 of RowSums, vectorised
 // over rows of x), the same operations in the same order as RowSums. Bytes where x has 8 bits
-// and the weight's values fit a byte unsigned (the K-quants: kByteTiles), twice the products an
+// and the weight's values fit a byte unsigned (the K-quants: kByteProducts), twice the products an
 // instruction of 16-bit pairs; both sums are exact, so either gives the same bits.
 
 // Weight rows a tile: their sums (two vectors a row), x's two vectors, a broadcast pair and a
@@ -817,15 +897,6 @@ int64_t block_rows(int64_t N, int64_t K, int64_t tile_rows) {
   const int64_t by_balance = (N + kBlocksPerThread * threads - 1) / (kBlocksPerThread * threads);
   return std::max(tile_rows, std::min(by_cache, (by_balance + tile_rows - 1) / tile_rows * tile_rows));
 }
-
-// Whether format F's tiles multiply bytes when x has 8 bits: its values plus F::kByteBias fit a
-// byte unsigned (at most F::kByteMax), and it has no tail chunks.
-template <class F, class = void>
-struct HasByteTiles : std::false_type {};
-template <class F>
-struct HasByteTiles<F, std::void_t<decltype(F::kByteMax)>> : std::true_type {};
-template <class F>
-constexpr bool kByteTiles = HasByteTiles<F>::value;
 
 // A block of a lanes format's rows decoded: the values of group g of row r as 256 words at
 // values[(r * groups + g) * 256] (the lanes layout: chunk l's values 2v and 2v + 1 are words
@@ -849,7 +920,7 @@ struct DecodedRows {
   // `rows` rows w_stride bytes apart, their values as bytes (kBytes) or words.
   template <bool kBytes>
   void decode(const uint8_t* w, int64_t w_stride, int64_t rows) {
-    static_assert(!kBytes || (kByteTiles<F> && !F::kTail));
+    static_assert(!kBytes || (kByteProducts<F> && !F::kTail));
     for (int64_t r = 0; r < rows; r++) {
       const uint8_t* row = w + r * w_stride;
       for (int64_t g = 0; g < groups; g++) {
@@ -1251,7 +1322,7 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
   // Whether a part's tiles multiply bytes (else pairs of words).
   const auto takes_bytes = [&](const Part& part) {
     bool bytes = false;
-    with_lanes_format(part.type, [&](auto format) { bytes = kByteTiles<decltype(format)> && xq.bits == 8; });
+    with_lanes_format(part.type, [&](auto format) { bytes = kByteProducts<decltype(format)> && xq.bits == 8; });
     return bytes;
   };
   std::optional<TiledX> tiled_x;  // the vector tiles' x (not made where AMX tiles multiply)
@@ -1281,7 +1352,7 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
         if (!buffers) buffers.emplace(per_block, K);
         DecodedRows<F> w = buffers->rows<F>();
         const uint8_t* first = part->w + r0 * part->w_stride;
-        if constexpr (kByteTiles<F>)
+        if constexpr (kByteProducts<F>)
           if (xq.bits == 8) {
             w.template decode<true>(first, part->w_stride, rows);
             return vector_block<F, true>(w, *part, r0, rows, *tiled_x, M, bias, y, N);
@@ -1322,7 +1393,7 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
   const auto run = [&](auto* x_rows, auto* y_rows) {
-    const QuantizedRows xq(x_rows, K, M, K, activation_bits);
+    const QuantizedRows xq(x_rows, K, M, K, activation_bits, M <= max_streaming_rows);
     if (M > max_streaming_rows)
       tiled_linear(xq, parts, b, y_rows, M, N, K);
     else

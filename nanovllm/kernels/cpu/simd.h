@@ -682,6 +682,55 @@ inline Sums widen_byte_sums(ByteSums p, Sums s) {
 // saturation, no wrap) while the quads' sum stays within 32767.
 inline constexpr int byte_quads_per_widen(int max_weight) { return 32767 / (2 * 127 * max_weight); }
 #endif
+// A lanes group's quad as bytes (the row kernel's 8-bit path): `lo` holds the quad's vectors 0
+// and 2, `hi` vectors 1 and 3, word i of each as bytes 2i and 2i + 1, so that lane l still holds
+// chunk l's values only (of quad j: 8j + 0, 4, 1, 5 in lo; 8j + 2, 6, 3, 7 in hi) and a lane's
+// byte products sum chunk l's. The weights' as unsigned bytes (plus a format's byte bias),
+// decoded from their quads straight to bytes; x's (|x| <= 127) from its words (store_byte_quad).
+struct ByteQuad {
+  ByteVector lo, hi;
+};
+inline ByteQuad nibble_byte_quad(const uint8_t* p) {
+  const __m256i a = _mm256_loadu_si256((const __m256i*)p), low = _mm256_set1_epi8(0x0f);
+  return {{_mm256_and_si256(a, low)}, {_mm256_and_si256(_mm256_srli_epi16(a, 4), low)}};
+}
+// A nibble quad's values with their fifth bits (five_bit_quad's): vector k's bit moves from bit k
+// of `top`'s word to bit 4 of its byte (bit 4 or 12 of the word).
+inline ByteQuad five_bit_byte_quad(const uint8_t* nibbles, const uint8_t* fifth_bits, int j) {
+  ByteQuad q = nibble_byte_quad(nibbles);
+  const __m256i top = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)fifth_bits), _mm_cvtsi32_si128(4 * j));
+  const __m256i even = _mm256_set1_epi16(0x0010), odd = _mm256_set1_epi16(0x1000);
+  const auto bits = [&](int to_even, int to_odd) {  // each shifted bit masked alone: the rest of top is other vectors'
+    return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(top, to_even), even),
+                           _mm256_and_si256(_mm256_slli_epi16(top, to_odd), odd));
+  };
+  q.lo.v = _mm256_or_si256(q.lo.v, bits(4, 10));
+  q.hi.v = _mm256_or_si256(q.hi.v, bits(3, 9));
+  return q;
+}
+// Six-bit values plus 32 (six_bit_quad's, not centred): vector k's two bits move from bits 2k,
+// 2k + 1 of `top`'s word to bits 4 and 5 of its byte.
+inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs, int first) {
+  ByteQuad q = nibble_byte_quad(nibbles);
+  const __m256i top = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)crumbs), _mm_cvtsi32_si128(2 * first));
+  const __m256i even = _mm256_set1_epi16(0x0030), odd = _mm256_set1_epi16(0x3000);
+  const auto bits = [&](int to_even, int to_odd) {
+    return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(top, to_even), even),
+                           _mm256_and_si256(_mm256_slli_epi16(top, to_odd), odd));
+  };
+  q.lo.v = _mm256_or_si256(q.lo.v, bits(4, 8));
+  q.hi.v = _mm256_or_si256(q.hi.v, bits(2, 6));
+  return q;
+}
+// x's quad (words of at most 127 in magnitude) as ByteQuad's 64 bytes, lo then hi.
+inline void store_byte_quad(int8_t* p, Quad q) {
+  const __m256i low = _mm256_set1_epi16(0x00ff);
+  const auto bytes = [&](__m256i even, __m256i odd) {
+    return _mm256_or_si256(_mm256_and_si256(even, low), _mm256_slli_epi16(odd, 8));
+  };
+  _mm256_storeu_si256((__m256i*)p, bytes(q.v[0], q.v[2]));
+  _mm256_storeu_si256((__m256i*)p + 1, bytes(q.v[1], q.v[3]));
+}
 inline Sums load_sums(const int32_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
 inline Sums times(Sums x, int32_t k) { return {_mm256_mullo_epi32(x.v, _mm256_set1_epi32(k))}; }
 inline Sums sub_sums(Sums a, Sums b) { return {_mm256_sub_epi32(a.v, b.v)}; }
@@ -985,6 +1034,30 @@ inline Sums widen_byte_sums(ByteSums p, Sums s) {
   return s;
 }
 inline constexpr int byte_quads_per_widen(int) { return 1 << 16; }
+struct ByteQuad {
+  ByteVector lo, hi;
+};
+// Quad's vectors 0 and 2 (lo), 1 and 3 (hi), word i as bytes 2i and 2i + 1; `bias` added.
+inline ByteQuad quad_bytes(Quad q, int bias) {
+  ByteQuad b;
+  for (int i = 0; i < 16; i++) {
+    b.lo.v[2 * i] = int8_t(q.v[0][i] + bias), b.lo.v[2 * i + 1] = int8_t(q.v[2][i] + bias);
+    b.hi.v[2 * i] = int8_t(q.v[1][i] + bias), b.hi.v[2 * i + 1] = int8_t(q.v[3][i] + bias);
+  }
+  return b;
+}
+inline ByteQuad nibble_byte_quad(const uint8_t* p) { return quad_bytes(nibble_quad(p), 0); }
+inline ByteQuad five_bit_byte_quad(const uint8_t* nibbles, const uint8_t* fifth_bits, int j) {
+  return quad_bytes(five_bit_quad(nibbles, fifth_bits, j), 0);
+}
+inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs, int first) {
+  return quad_bytes(six_bit_quad(nibbles, crumbs, first), 32);
+}
+inline void store_byte_quad(int8_t* p, Quad q) {
+  const ByteQuad b = quad_bytes(q, 0);
+  std::memcpy(p, b.lo.v, 32);
+  std::memcpy(p + 32, b.hi.v, 32);
+}
 inline Sums load_sums(const int32_t* p) {
   Sums s;
   std::memcpy(s.v, p, 32);
