@@ -521,9 +521,10 @@ inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
 // Rows of x quantized to blocks of 32 values of `bits` bits (16: |q| <= 32767; 8: |q| <= 127, kept
 // in 16-bit words all the same) with the block's fp32 scale and the sum of its quantized values
 // (times a format's offset, the offset's share of the dot product), so the product is exactly that
-// of x rounded to these blocks with the dequantized weight. With 8 bits and `byte_rows` (the row
-// kernel's steps), each group's values also as bytes (simd::ByteQuad's layout) and the integer sums
-// of its chunks' halves, what the row kernel's byte products read (byte_group_sums).
+// of x rounded to these blocks with the dequantized weight. With 8 bits, the integer sums of each
+// group's chunks' halves (what a weight's byte bias adds to byte products), and with `byte_rows`
+// too (the row kernel's steps) each group's values as bytes in simd::ByteQuad's layout, what the
+// row kernel's byte products read (byte_group_sums).
 struct QuantizedRows {
   int64_t chunks, bits;
   std::vector<int16_t> q;
@@ -536,7 +537,7 @@ struct QuantizedRows {
   template <typename T>
   QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, int64_t bits, bool byte_rows)
       : chunks(K / 32), bits(bits), q(M * K), scale(M * chunks), sum(M * chunks),
-        bytes(bits == 8 && byte_rows ? M * K : 0), half_sums(bits == 8 && byte_rows ? M * K / 256 * 16 : 0) {
+        bytes(bits == 8 && byte_rows ? M * K : 0), half_sums(bits == 8 ? M * K / 256 * 16 : 0) {
     // A row's units: its groups, then its other chunks one by one.
     const int64_t groups = K / 256, units = groups + chunks - 8 * groups;
     parallel_for(0, M * units, 8, [&](int64_t begin, int64_t end) {
@@ -548,8 +549,9 @@ struct QuantizedRows {
           simd::Quad quads[4];
           simd::chunks_to_quads(group, quads);
           for (int j = 0; j < 4; j++) simd::store_quad(q.data() + m * K + 256 * u + 64 * j, quads[j]);
-          if (!bytes.empty()) {
+          if (!bytes.empty())
             for (int j = 0; j < 4; j++) simd::store_byte_quad(bytes.data() + m * K + 256 * u + 64 * j, quads[j]);
+          if (!half_sums.empty())
             for (int l = 0; l < 8; l++) {
               int16_t values[32];
               simd::store_words(values, group[l]);
@@ -557,7 +559,6 @@ struct QuantizedRows {
               halves[0] = std::accumulate(values, values + 16, 0);
               halves[8] = std::accumulate(values + 16, values + 32, 0);
             }
-          }
         } else {
           const int64_t c = 8 * groups + u - groups;
           simd::store_words(q.data() + m * K + 32 * c, quantize(x + m * x_stride, m, c));
@@ -997,15 +998,27 @@ struct TiledX {
     TORCH_INTERNAL_ASSERT(!with_quads || x.bits == 8, "quads of bytes need x in 8 bits");
     const int64_t grouped = x.chunks / 8 * 8;
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; m++)
+      for (int64_t m = begin; m < end; m++) {
+        const int64_t i = m % 16;
+        if (with_quads)  // a group's quad q of its eight chunks from its vectors 2q and 2q + 1 at once
+          for (int64_t g = 0; g < grouped / 8; g++) {
+            const int64_t at = m / 16 * chunks + 8 * g;
+            for (int q = 0; q < 8; q++) {
+              int8_t lanes[32];
+              simd::store_byte_vector(lanes, simd::pair_quads(x.values(m, 8 * g) + 32 * q));
+              for (int l = 0; l < 8; l++) std::memcpy(&quads[(at + l) * 512 + 64 * q + 4 * i], lanes + 4 * l, 4);
+            }
+            for (int h = 0; h < 2; h++)
+              for (int l = 0; l < 8; l++) half_sums[((at + l) * 2 + h) * 16 + i] = x.group_half_sums(m, g, h)[l];
+          }
         for (int64_t c = 0; c < chunks; c++) {
-          const int64_t at = m / 16 * chunks + c, i = m % 16;
+          const int64_t at = m / 16 * chunks + c;
           // A group's chunk l has pair v at words 16v + 2l; a tail chunk's values are in order.
           const int16_t* from = c < grouped ? x.values(m, c / 8 * 8) + 2 * (c % 8) : x.values(m, c);
           const int64_t step = c < grouped ? 16 : 2;
           if (with_pairs)
             for (int v = 0; v < 16; v++) std::memcpy(&pairs[at * 512 + 2 * i + 32 * v], from + step * v, 4);
-          if (with_quads) {
+          if (with_quads && c >= grouped) {
             int32_t halves[2] = {0, 0};
             for (int v = 0; v < 16; v++)  // values 2v and 2v + 1: quad v / 2's bytes 2 (v % 2) and on
               for (int k = 0; k < 2; k++) {
@@ -1017,6 +1030,7 @@ struct TiledX {
           scale[at * 16 + i] = x.scale[m * chunks + c];
           sum[at * 16 + i] = x.sum[m * chunks + c];
         }
+      }
     });
   }
   const int16_t* pairs_of(int64_t tile, int64_t c) const { return &pairs[(tile * chunks + c) * 512]; }

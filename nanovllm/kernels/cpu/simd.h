@@ -722,6 +722,17 @@ inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs,
   q.hi.v = _mm256_or_si256(q.hi.v, bits(2, 6));
   return q;
 }
+// Two vectors of a group's words (|x| <= 127; lane l a pair of chunk l's values) as one of bytes
+// whose lane l holds the first's pair then the second's: four consecutive values of chunk l.
+inline ByteVector pair_quads(const int16_t* p) {
+  const __m256i low = _mm256_set1_epi32(0xff), second = _mm256_set1_epi32(0xff00);
+  const auto two = [&](__m256i v) {  // a lane's two words' low bytes as its bytes 0 and 1
+    return _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi32(v, 8), second));
+  };
+  const __m256i* v = (const __m256i*)p;
+  return {_mm256_or_si256(two(_mm256_loadu_si256(v)), _mm256_slli_epi32(two(_mm256_loadu_si256(v + 1)), 16))};
+}
+inline void store_byte_vector(int8_t* p, ByteVector b) { _mm256_storeu_si256((__m256i*)p, b.v); }
 // x's quad (words of at most 127 in magnitude) as ByteQuad's 64 bytes, lo then hi.
 inline void store_byte_quad(int8_t* p, Quad q) {
   const __m256i low = _mm256_set1_epi16(0x00ff);
@@ -1053,6 +1064,13 @@ inline ByteQuad five_bit_byte_quad(const uint8_t* nibbles, const uint8_t* fifth_
 inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs, int first) {
   return quad_bytes(six_bit_quad(nibbles, crumbs, first), 32);
 }
+inline ByteVector pair_quads(const int16_t* p) {
+  ByteVector b;
+  for (int l = 0; l < 8; l++)
+    for (int k = 0; k < 4; k++) b.v[4 * l + k] = int8_t(p[16 * (k / 2) + 2 * l + k % 2]);
+  return b;
+}
+inline void store_byte_vector(int8_t* p, ByteVector b) { std::memcpy(p, b.v, 32); }
 inline void store_byte_quad(int8_t* p, Quad q) {
   const ByteQuad b = quad_bytes(q, 0);
   std::memcpy(p, b.lo.v, 32);
