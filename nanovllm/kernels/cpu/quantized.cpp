@@ -995,13 +995,14 @@ struct TiledX {
       : tiles((M + 15) / 16), chunks(x.chunks), pairs(with_pairs ? tiles * chunks * 512 : 0),
         quads(with_quads ? tiles * chunks * 512 : 0), half_sums(with_quads ? tiles * chunks * 32 : 0),
         scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
-    TORCH_INTERNAL_ASSERT(!with_quads || x.bits == 8, "quads of bytes need x in 8 bits");
+    // Byte products are the K-quants' (kByteProducts), whose rows are whole groups.
+    TORCH_INTERNAL_ASSERT(!with_quads || (x.bits == 8 && chunks % 8 == 0), "quads of bytes need x in 8 bits, K in groups");
     const int64_t grouped = x.chunks / 8 * 8;
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; m++) {
         const int64_t i = m % 16;
         if (with_quads)  // a group's quad q of its eight chunks from its vectors 2q and 2q + 1 at once
-          for (int64_t g = 0; g < grouped / 8; g++) {
+          for (int64_t g = 0; g < chunks / 8; g++) {
             const int64_t at = m / 16 * chunks + 8 * g;
             for (int q = 0; q < 8; q++) {
               int8_t lanes[32];
@@ -1018,15 +1019,6 @@ struct TiledX {
           const int64_t step = c < grouped ? 16 : 2;
           if (with_pairs)
             for (int v = 0; v < 16; v++) std::memcpy(&pairs[at * 512 + 2 * i + 32 * v], from + step * v, 4);
-          if (with_quads && c >= grouped) {
-            int32_t halves[2] = {0, 0};
-            for (int v = 0; v < 16; v++)  // values 2v and 2v + 1: quad v / 2's bytes 2 (v % 2) and on
-              for (int k = 0; k < 2; k++) {
-                quads[at * 512 + 64 * (v / 2) + 4 * i + 2 * (v % 2) + k] = int8_t(from[step * v + k]);
-                halves[v / 8] += from[step * v + k];
-              }
-            for (int h = 0; h < 2; h++) half_sums[(at * 2 + h) * 16 + i] = halves[h];
-          }
           scale[at * 16 + i] = x.scale[m * chunks + c];
           sum[at * 16 + i] = x.sum[m * chunks + c];
         }
