@@ -104,3 +104,16 @@ def test_each_python_environment_keeps_its_own_build(monkeypatch):
     assert cpu_kernels.build_name("none") == name
     monkeypatch.setattr(sys, "prefix", "/another/environment")
     assert cpu_kernels.build_name("none") != name
+
+
+def test_a_build_killed_midway_does_not_stall_the_next_load():
+    """torch's build leaves its `lock` file behind when killed, and a later load would wait on it
+    forever: the next process finds it stale and loads."""
+    if not cpu_kernels.available():
+        pytest.skip("no compiler here: the kernels are not built")
+    lock = os.path.join(cpu_kernels.build_directory(cpu_kernels.build_name(cpu_kernels.isa())), "lock")
+    open(lock, "w").close()
+    result = subprocess.run([sys.executable, "-c", "from nanovllm.kernels import cpu; print(cpu.available())"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr[-4000:]
+    assert not os.path.exists(lock)

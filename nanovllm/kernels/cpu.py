@@ -27,7 +27,9 @@ through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `l
 over the others), `isa` and `amx_tiles_granted`; see cpu/registration.cpp.
 """
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import glob
 import hashlib
@@ -114,6 +116,30 @@ def build_name(variant: str) -> str:
     return f"nanovllm_cpu_{variant}_{key}"
 
 
+def build_directory(name: str) -> str:
+    """Where the build called `name` lives: in torch's extensions directory (TORCH_EXTENSIONS_DIR
+    or its default), the name alone telling builds apart."""
+    from torch.utils.cpp_extension import get_default_build_root
+    return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), name)
+
+
+@contextlib.contextmanager
+def _held_build_directory(name: str):
+    """The build's directory, held for this process alone while torch builds or loads in it.
+
+    torch guards the directory with a `lock` file that a killed build leaves behind, and every
+    later load waits on it forever. Holding an flock, which the OS drops with its process, means
+    a `lock` seen here belongs to no live build and can go.
+    """
+    directory = build_directory(name)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "build.flock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, "lock"))
+        yield directory
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels; False, with a warning, if that fails."""
@@ -121,10 +147,11 @@ def available() -> bool:
     flags = ISAS[variant][1]
     try:
         from torch.utils.cpp_extension import load
+        name = build_name(variant)
         # No -fopenmp: the kernels' threads are their own pool's (cpu/thread_pool.h), not OpenMP's.
-        with startup_phase(f"CPU kernels ({variant}: build or load)"):
-            load(name=build_name(variant), sources=_UNITS, extra_cflags=["-O3", *flags], is_python_module=False,
-                 verbose=False)
+        with startup_phase(f"CPU kernels ({variant}: build or load)"), _held_build_directory(name) as directory:
+            load(name=name, sources=_UNITS, extra_cflags=["-O3", *flags], is_python_module=False,
+                 build_directory=directory, verbose=False)
     except Exception as e:  # no compiler, no ninja, an unsupported platform...
         logger.warning("nano-vllm CPU kernels could not be built (%s); using plain PyTorch, which is slower", e)
         return False
