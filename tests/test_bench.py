@@ -316,3 +316,26 @@ def test_the_contention_neighbour_runs_and_is_gone_after(twin_cache):
                 assert f.read().split()[2] in "RSD"  # running (or between tokens), not exited
             raise RuntimeError("the run failed")
     assert not os.path.exists(f"/proc/{pid}")  # terminated and reaped, even on the error
+
+
+def test_w2_takes_the_engines_repeats_in_turn(monkeypatch):
+    """A slow spell of a shared machine must fall on every engine alike: W2's timed requests go
+    round the engines, and each figure is its engine's median."""
+    calls = []
+    clock = [0.0]
+
+    class Runner:
+        def __init__(self, name, ttft, per_token):
+            self.name, self.ttft, self.per_token = name, ttft, per_token
+
+        def generate(self, prompts, max_tokens, temperature):
+            calls.append((self.name, max_tokens[0]))
+            clock[0] += self.ttft + self.per_token * (max_tokens[0] - 1)
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    latencies = bench.run_latencies([Runner("a", 0.5, 0.01), Runner("b", 0.25, 0.02)], 16, 9)
+    timed = calls[2:]  # after one warm-up each
+    assert calls[:2] == [("a", 1), ("b", 1)]
+    assert timed == [("a", 1), ("a", 9), ("b", 1), ("b", 9)] * bench.W2_REPEATS
+    assert latencies["a"].ttft_s == pytest.approx(0.5) and latencies["a"].decode_tok_s == pytest.approx(100)
+    assert latencies["b"].ttft_s == pytest.approx(0.25) and latencies["b"].decode_tok_s == pytest.approx(50)

@@ -212,14 +212,25 @@ def run_throughput(runner, workload: Workload) -> Throughput:
                       (workload.prompt_tokens + workload.output_tokens) / seconds)
 
 
-def run_latency(runner, input_len: int = W2_INPUT_LEN, output_len: int = W2_OUTPUT_LEN) -> Latency:
-    """TTFT: a one-token request. Decode rate: the output_len - 1 tokens after the first, from the
-    time of a full request less the TTFT. Medians of W2_REPEATS after one warm-up."""
+def run_latencies(runners: list, input_len: int = W2_INPUT_LEN, output_len: int = W2_OUTPUT_LEN) -> dict[str, Latency]:
+    """Each engine's W2. TTFT: a one-token request. Decode rate: the output_len - 1 tokens after the
+    first, from the time of a full request less the TTFT. Medians of W2_REPEATS after one warm-up,
+    the engines' repeats taken in turn, so that a slow spell of a shared machine falls on all of them
+    rather than on whichever engine was running through it."""
     prompt = latency_prompt(input_len)
-    runner.generate([prompt], [1], 0.0)
-    first = statistics.median(_timed(lambda: runner.generate([prompt], [1], 0.0)) for _ in range(W2_REPEATS))
-    full = statistics.median(_timed(lambda: runner.generate([prompt], [output_len], 0.0)) for _ in range(W2_REPEATS))
-    return Latency(first, (output_len - 1) / max(full - first, 1e-9), input_len)
+    for runner in runners:
+        runner.generate([prompt], [1], 0.0)
+    first = {runner.name: [] for runner in runners}
+    full = {runner.name: [] for runner in runners}
+    for _ in range(W2_REPEATS):
+        for runner in runners:
+            first[runner.name].append(_timed(lambda: runner.generate([prompt], [1], 0.0)))
+            full[runner.name].append(_timed(lambda: runner.generate([prompt], [output_len], 0.0)))
+    latencies = {}
+    for name in first:
+        ttft, whole = statistics.median(first[name]), statistics.median(full[name])
+        latencies[name] = Latency(ttft, (output_len - 1) / max(whole - ttft, 1e-9), input_len)
+    return latencies
 
 
 def machine_summary() -> str:
@@ -404,7 +415,7 @@ def run_workloads(args: argparse.Namespace, runners: list, bound_tok_s: float | 
         structured = dataclasses.replace(workload, schema=STRUCTURED_SCHEMA)
         print_structured(plain, run_throughput(nano, structured), structured)
     if args.workload in ("all", "w2"):
-        print_latency({r.name: run_latency(r, args.input_len, args.output_len) for r in runners}, bound_tok_s,
+        print_latency(run_latencies(runners, args.input_len, args.output_len), bound_tok_s,
                       args.input_len, args.output_len)
     if args.plot:
         print("\nconcurrency sweep")
