@@ -20,13 +20,18 @@ from nanovllm.loader.gguf import gguf_block_types, iter_gguf_weights, load_gguf_
 
 
 def test_workloads_are_drawn_as_specified():
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(64, 512))] for _ in range(64)]
-    max_tokens = [random.randint(32, 256) for _ in range(64)]
+    """W1: 64 prompts of 64-512 ids below 10,001 and outputs of 32-256 tokens at temperature 0.6,
+    the same draw every run: its totals are the ones every W1 figure in benchmarks/RESULTS.md was
+    measured on. W2: a fixed prompt of the asked length."""
     w1 = bench.throughput_workload()
-    assert (w1.prompts, w1.max_tokens, w1.temperature) == (prompts, max_tokens, 0.6)
-    rng = random.Random(1)
-    assert bench.latency_prompt() == [rng.randint(0, 10000) for _ in range(128)]
+    assert len(w1.prompts) == len(w1.max_tokens) == 64 and w1.temperature == 0.6 and w1.schema is None
+    assert all(64 <= len(p) <= 512 and 0 <= min(p) and max(p) <= 10000 for p in w1.prompts)
+    assert all(32 <= n <= 256 for n in w1.max_tokens)
+    assert (w1.prompt_tokens, w1.output_tokens) == (17896, 9528)
+    assert bench.throughput_workload() == w1
+    w2 = bench.latency_prompt()
+    assert len(w2) == 128 and 0 <= min(w2) and max(w2) <= 10000 and bench.latency_prompt() == w2
+    assert len(bench.latency_prompt(512)) == 512
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 
 from conftest import requires_default_model
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod
 from nanovllm.loader.default_model import default_model_path
 
 pytestmark = requires_default_model
@@ -75,7 +76,7 @@ def test_known_answer_from_the_quantized_blocks():
     they are."""
     llm = LLM(max_model_len=256, kv_cache_memory_gb=0.05)
     head = llm.llm_engine.executor.model.lm_head
-    assert type(head.linear_method).__name__ == "CPUGGUFLinearMethod" and head.weight.dtype == torch.uint8
+    assert type(head.linear_method) is CPUGGUFLinearMethod and head.weight.dtype == torch.uint8
     # PROMPTS[0] alone is a near-tie in bf16 on the blocks (llama.cpp, on this file: "L'Étoile...").
     out = llm.chat([[{"role": "user", "content": PROMPTS[0] + " Answer in one sentence."}]],
                    SamplingParams(temperature=0, max_tokens=16),

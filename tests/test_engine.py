@@ -153,8 +153,11 @@ def test_prompt_forms_and_order(tmp_path):
     assert outs[0].outputs[0].finish_reason == "length"
     single = llm.generate(ids, params, use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
-    per_prompt = llm.generate([ids, ids], [params, SamplingParams(temperature=0.0, max_tokens=2)], use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in per_prompt] <= [4, 2]
+    per_prompt = llm.generate([ids, ids], [params, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)],
+                              use_tqdm=False)
+    # Each prompt under its own parameters, in order: the second stops at its 2 greedy tokens.
+    assert [o.outputs[0].token_ids for o in per_prompt] == [outs[0].outputs[0].token_ids,
+                                                            outs[0].outputs[0].token_ids[:2]]
 
 
 def test_eos_stops_generation(tmp_path):

@@ -249,7 +249,7 @@ def test_config_mapping(tmp_path, arch, config_name):
     # defaults included.
     reference = getattr(transformers, config_name)(**{field: getattr(config, field) for field in _FROM_METADATA})
     as_transformers = transformers_config(config)
-    assert type(as_transformers).__name__ == config_name
+    assert type(as_transformers) is getattr(transformers, config_name)
     for field in _READ_BY_THE_ENGINE:
         assert getattr(config, field, None) == getattr(reference, field, None), field
         assert getattr(as_transformers, field, None) == getattr(reference, field, None), field

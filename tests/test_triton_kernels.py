@@ -210,8 +210,8 @@ def test_engine_gives_the_portable_backends_tokens(tiny_checkpoint, monkeypatch)
     for backend in ("torch_native", "triton"):
         monkeypatch.setenv(BACKEND_ENV, backend)
         llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=48, max_num_batched_tokens=24)
-        assert type(llm.llm_engine.executor.backend).__name__ == {"torch_native": "TorchNativeBackend",
-                                                                     "triton": "TritonBackend"}[backend]
+        assert type(llm.llm_engine.executor.backend) is {"torch_native": TorchNativeBackend,
+                                                            "triton": TritonBackend}[backend]
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.get_metrics()["prefix_cache_hit_tokens"] > 0
     assert tokens["triton"] == tokens["torch_native"]
