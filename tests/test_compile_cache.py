@@ -5,7 +5,6 @@ recently used first; the key tells apart what the graph depends on and nothing e
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -32,35 +31,55 @@ def checkpoint(tiny_checkpoint) -> Path:
     return tiny_checkpoint()
 
 
-def _generate(checkpoint, caplog, num_blocks: int, **kwargs) -> tuple[list[list[int]], str]:
+@pytest.fixture
+def graph_events(monkeypatch) -> dict[str, int]:
+    """How many graphs were compiled (and saved) and how many loaded from files, as they happen."""
+    events = {"compiled": 0, "loaded": 0}
+    load, save = cpu_compile._load, cpu_compile._save
+
+    def counted_load(path, f_globals):
+        compiled = load(path, f_globals)
+        events["loaded"] += compiled is not None
+        return compiled
+
+    def counted_save(compiled, path):
+        events["compiled"] += 1
+        save(compiled, path)
+
+    monkeypatch.setattr(cpu_compile, "_load", counted_load)
+    monkeypatch.setattr(cpu_compile, "_save", counted_save)
+    return events
+
+
+def _generate(checkpoint, events: dict[str, int], num_blocks: int, **kwargs) -> tuple[list[list[int]], dict[str, int]]:
+    """Greedy tokens from a new engine, and what its start-up compiled and loaded."""
     cpu_compile._compiled.clear()  # as in a new process: only the files remain
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="nanovllm.platforms.cpu_compile"):
-        llm = LLM(str(checkpoint), dtype="float32", num_kvcache_blocks=num_blocks, **kwargs)
+    before = dict(events)
+    llm = LLM(str(checkpoint), dtype="float32", num_kvcache_blocks=num_blocks, **kwargs)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs], caplog.text
+    return [o.outputs[0].token_ids for o in outputs], {k: events[k] - before[k] for k in events}
 
 
-def test_a_later_engine_loads_the_saved_graph(checkpoint, cache_home, caplog):
-    eager, _ = _generate(checkpoint, caplog, 64, enforce_eager=True)
-    compiled, log = _generate(checkpoint, caplog, 64)
-    assert "compiled LayerGroup" in log and len(list(cache_home.glob("*.bin"))) == 1
-    loaded, log = _generate(checkpoint, caplog, 97)  # another cache size: the same graph
-    assert "loaded the compiled LayerGroup" in log and "compiled LayerGroup in" not in log
+def test_a_later_engine_loads_the_saved_graph(checkpoint, cache_home, graph_events):
+    eager, _ = _generate(checkpoint, graph_events, 64, enforce_eager=True)
+    compiled, did = _generate(checkpoint, graph_events, 64)
+    assert did == {"compiled": 1, "loaded": 0} and len(list(cache_home.glob("*.bin"))) == 1
+    loaded, did = _generate(checkpoint, graph_events, 97)  # another cache size: the same graph
+    assert did == {"compiled": 0, "loaded": 1}
     assert loaded == compiled == eager
 
 
-def test_a_damaged_graph_file_is_compiled_again(checkpoint, cache_home, caplog):
-    first, _ = _generate(checkpoint, caplog, 64)
+def test_a_damaged_graph_file_is_compiled_again(checkpoint, cache_home, graph_events):
+    first, _ = _generate(checkpoint, graph_events, 64)
     (saved,) = cache_home.glob("*.bin")
     saved.write_bytes(b"not a graph")
-    again, log = _generate(checkpoint, caplog, 64)
-    assert "ignoring the compiled graph" in log and "compiled LayerGroup in" in log
+    again, did = _generate(checkpoint, graph_events, 64)
+    assert did == {"compiled": 1, "loaded": 0}
     assert again == first and saved.stat().st_size > len(b"not a graph")  # saved anew
 
 
-def test_old_graphs_are_pruned_and_a_load_counts_as_a_use(checkpoint, cache_home, caplog):
-    _generate(checkpoint, caplog, 64)
+def test_old_graphs_are_pruned_and_a_load_counts_as_a_use(checkpoint, cache_home, graph_events):
+    _generate(checkpoint, graph_events, 64)
     (saved,) = cache_home.glob("*.bin")
     saved_at = saved.stat().st_mtime
     old = saved_at - 1000
@@ -69,8 +88,8 @@ def test_old_graphs_are_pruned_and_a_load_counts_as_a_use(checkpoint, cache_home
         stale.write_bytes(b"")
         os.utime(stale, (old + i, old + i))
     os.utime(saved, (old - 1, old - 1))  # the least recent of all, until loaded
-    _, log = _generate(checkpoint, caplog, 64)
-    assert "loaded the compiled LayerGroup" in log and saved.stat().st_mtime >= saved_at
+    _, did = _generate(checkpoint, graph_events, 64)
+    assert did == {"compiled": 0, "loaded": 1} and saved.stat().st_mtime >= saved_at
     cpu_compile.prune_saved_graphs(cache_home)
     kept = {p.name for p in cache_home.glob("*.bin")}
     assert len(kept) == cpu_compile.MAX_SAVED_GRAPHS and saved.name in kept
