@@ -21,7 +21,7 @@ from conftest import requires_default_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
-from nanovllm.platforms.cpu import KERNEL_MODULES
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.platforms.cpu_compile import LayerGroup
 from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers
 
@@ -114,9 +114,8 @@ def test_layers_round_like_eager(engines):
                 else all(isinstance(layer, LayerGroup) for layer in model.layers))
         if fused:  # ... on the elementwise kernels, in both modes
             for engine in engines.values():
-                modules = list(engine.llm_engine.executor.model.modules())
-                assert not any(type(m) in KERNEL_MODULES for m in modules)
-                assert any(type(m) in KERNEL_MODULES.values() for m in modules)
+                ops = [m for m in engine.llm_engine.executor.model.modules() if isinstance(m, CustomOp)]
+                assert ops and all(op.forward_name == "forward_cpu" for op in ops)
         # Fused: each eager layer against itself as a run of one fused layer.
         for layer in (model.layers[0].layers if fused else model.layers):
             if fused:

@@ -23,6 +23,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.structured_output import grammar_bitmask
 from nanovllm.engine.transfer import to_device
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.custom_op import built_for
 from nanovllm.loader.weights import keep_in_blocks, load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.platforms import get_platform
@@ -65,7 +66,7 @@ class ModelRunner:
         with startup_phase("model and weights"):
             torch.set_default_dtype(config.torch_dtype)
             try:
-                with torch.device(self.device):
+                with torch.device(self.device), built_for(self.platform.choose_forward):
                     model = model_cls(config.hf_config, self.tp_group)
             finally:
                 torch.set_default_dtype(default_dtype)

@@ -2,14 +2,17 @@
 
 The statistics are computed in fp32 and the result cast back before the weight multiply,
 as HF Llama/Qwen do. Inputs are never modified: `x.float()` returns `x` itself when x is
-already fp32, so an in-place op here could clobber the caller's tensor.
+already fp32, so an in-place op here could clobber the caller's tensor. On the CPU kernels and
+on CUDA (Triton) one kernel does the add and the norm, rounding where this code does.
 """
 
 import torch
 from torch import nn
 
+from nanovllm.layers.custom_op import CustomOp
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -20,10 +23,19 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if residual is None:
             return self._norm(x)
         summed = x + residual  # in the model dtype, like HF's residual stream
         return self._norm(summed), summed
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return torch.ops.nanovllm_cpu.rms_norm(x, self.weight, self.eps)
+        return torch.ops.nanovllm_cpu.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        from nanovllm.kernels import triton_elementwise
+        return triton_elementwise.rms_norm(x, self.weight, self.eps, residual)

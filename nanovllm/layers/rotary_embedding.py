@@ -2,13 +2,15 @@
 
 Owns reading RoPE settings from an HF config (both the transformers 5.x `rope_parameters`
 form and the 4.x `rope_theta` + `rope_scaling` form), the inverse frequencies of each
-supported scaling type, and a precomputed fp32 cos/sin cache indexed by position.
+supported scaling type, and a precomputed fp32 cos/sin cache indexed by position. On CUDA
+(Triton) one kernel rotates q and k.
 """
 
 import math
 
 import torch
-from torch import nn
+
+from nanovllm.layers.custom_op import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -64,7 +66,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, p: dict, max_position: int)
     return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, attention_scale: float = 1.0):
         super().__init__()
         self.head_dim = head_dim
@@ -80,10 +82,15 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return rotated.to(x.dtype).view(x.shape)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T], q [T, H*D], k [T, KVH*D] -> rotated (q, k), new tensors of the same shapes."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward_cuda(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        from nanovllm.kernels import triton_elementwise
+        return triton_elementwise.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
 
 
 def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryEmbedding:

@@ -1,10 +1,12 @@
-"""What differs per device, behind one small interface the model runner asks: how to prepare a
-loaded model (repack weights, swap in kernel-backed modules), which weight formats it multiplies
-in their blocks, where the KV cache lives, and whether and how to compile. Layers and models never ask.
+"""What differs per device, behind one small interface the model runner asks: which forward each
+elementwise op is built with (`choose_forward`, given to layers/custom_op.py's `built_for` while
+the model is constructed), how to prepare a loaded model (repack weights), which weight formats
+it multiplies in their blocks, where the KV cache lives, and whether and how to compile. Layers
+and models never ask.
 
 CUDA's own pieces (graph capture, memory sizing) are still in engine/cuda_graph.py and
-engine/gpu_memory.py; the CUDA platform (cuda.py) switches the elementwise modules onto Triton
-kernels, and without Triton the defaults serve.
+engine/gpu_memory.py; the CUDA platform (cuda.py) builds the elementwise ops on Triton kernels,
+and without Triton the defaults serve.
 """
 
 import importlib.util
@@ -14,11 +16,16 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.quantization import LinearMethod
 
 
 class Platform:
     """The defaults: nothing to prepare, an ordinary cache tensor, eager steps."""
+
+    def choose_forward(self, op: CustomOp) -> Callable:
+        """The forward an elementwise op built for this platform runs (its native one here)."""
+        return op.forward_native
 
     def prepare_model(self, model: nn.Module) -> None:
         """Called once the weights are loaded."""

@@ -2,8 +2,8 @@
 decoder layers, and memory settings for steps and the KV cache.
 
 In bf16 on a machine that runs the SIMD kernels (nanovllm/kernels/cpu.py), every dense linear
-layer and the LM head take the packed CPU method, and RMSNorm and the gated SiLU become modules
-that call the elementwise kernels (rounding where the eager layers do); decoder layers of the
+layer and the LM head take the packed CPU method, and RMSNorm and the gated SiLU are built on the
+elementwise kernels (their `forward_cpu`, rounding where the eager layers do); decoder layers of the
 Llama family then run as one kernel call a step (cpu_fused_layers) instead of compiled. Elsewhere
 the plain PyTorch layers run, compiled.
 """
@@ -19,43 +19,14 @@ from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.kernels import cpu as cpu_kernels
-from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.platforms import Platform
 from nanovllm.platforms.cpu_fused_layers import fuse_decoder_layers
 
 logger = logging.getLogger(__name__)
-
-
-class KernelRMSNorm(RMSNorm):
-    """RMSNorm (with its residual add) on the CPU kernel."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return torch.ops.nanovllm_cpu.rms_norm(x, self.weight, self.eps)
-        return torch.ops.nanovllm_cpu.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class KernelSiluAndMul(SiluAndMul):
-    """The gated SiLU on the CPU kernel."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.nanovllm_cpu.silu_and_mul(x)
-
-
-# The same state, another forward: a module switches by its class, keeping its parameters and
-# every reference to it.
-KERNEL_MODULES = {RMSNorm: KernelRMSNorm, SiluAndMul: KernelSiluAndMul}
-
-
-def use_elementwise_kernels(model: nn.Module) -> None:
-    for module in model.modules():
-        kernel_class = KERNEL_MODULES.get(type(module))
-        if kernel_class is not None:
-            module.__class__ = kernel_class
 
 
 def keep_freed_memory_mapped() -> None:
@@ -87,8 +58,11 @@ class CPUPlatform(Platform):
         self.compiled = not enforce_eager and tp_group.world_size == 1
 
     def _on_kernels(self) -> bool:
-        """Whether prepare_model puts the model on the packed and elementwise kernels."""
+        """Whether the model runs on the packed and elementwise kernels."""
         return self.dtype == torch.bfloat16 and cpu_kernels.has_simd_kernels()
+
+    def choose_forward(self, op: CustomOp) -> Callable:
+        return op.forward_cpu if self._on_kernels() else op.forward_native
 
     def prepare_model(self, model: nn.Module) -> None:
         cpu_kernels.move_to_huge_pages([m.weight for m in model.modules()
@@ -100,7 +74,6 @@ class CPUPlatform(Platform):
                    and m.weight.dtype == torch.bfloat16
                    and (not isinstance(m, VocabParallelEmbedding) or isinstance(m, ParallelLMHead))]
         CPUPackedBF16LinearMethod.pack_all(linears)
-        use_elementwise_kernels(model)
 
     def block_linear_method(self, shard_types: dict[object, str]) -> LinearMethod | None:
         # Imported here: the block formats' tables come from gguf-py, which only block weights need.

@@ -27,6 +27,7 @@ from torch import nn
 from nanovllm.cache_paths import user_cache_dir
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.platforms.inductor_rounding import UnfuseReducedPrecisionAddmm
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ def graph_key(module: nn.Module, args: tuple[torch.Tensor, ...]) -> str:
     caches = {id(cache) for cache in _kv_caches(module)}
     for name, sub in module.named_modules():
         parts.append(f"{name}:{type(sub).__qualname__}")
+        if isinstance(sub, CustomOp):
+            parts.append(f"{name}:{sub.forward_name}")
         owners = [owner for owner in (sub, getattr(sub, "linear_method", None)) if owner is not None]
         for attr, value in (item for owner in owners for item in sorted(vars(owner).items())):
             if isinstance(value, torch.Tensor):

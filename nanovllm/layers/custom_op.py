@@ -1,0 +1,54 @@
+"""Modules with a forward per platform (vLLM's CustomOp shape): each elementwise op states its
+plain PyTorch forward (`forward_native`) and, where a platform has kernels for it, that
+platform's (`forward_cpu`, `forward_cuda`); which one runs is decided once, when the module is
+built, by the platform the model is built for (`built_for`). Nothing is swapped after load: a
+module keeps its class, and its forward is the one it was built with.
+
+Outside `built_for` (a layer made in a test, a tool) modules run `forward_native`.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+
+from torch import nn
+
+# The chooser of the platform a model is being built for: given an op, the bound forward it runs.
+_choose_forward: ContextVar[Callable[["CustomOp"], Callable] | None] = ContextVar("choose_forward", default=None)
+
+
+@contextlib.contextmanager
+def built_for(choose_forward: Callable[["CustomOp"], Callable]) -> Iterator[None]:
+    """Build modules in this block with the forwards `choose_forward` picks (a platform's)."""
+    token = _choose_forward.set(choose_forward)
+    try:
+        yield
+    finally:
+        _choose_forward.reset(token)
+
+
+class CustomOp(nn.Module):
+    """An op whose forward is chosen at construction among forward_native / _cpu / _cuda."""
+
+    def __init__(self):
+        super().__init__()
+        choose = _choose_forward.get()
+        self._forward = self.forward_native if choose is None else choose(self)
+
+    def forward(self, *args, **kwargs):
+        return self._forward(*args, **kwargs)
+
+    @property
+    def forward_name(self) -> str:
+        """Which forward this module was built with ("forward_native", "forward_cpu", ...)."""
+        return self._forward.__name__
+
+    def forward_native(self, *args, **kwargs):
+        raise NotImplementedError
+
+    # A platform without a kernel for the op runs the native forward.
+    def forward_cpu(self, *args, **kwargs):
+        return self.forward_native(*args, **kwargs)
+
+    def forward_cuda(self, *args, **kwargs):
+        return self.forward_native(*args, **kwargs)
