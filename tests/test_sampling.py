@@ -314,3 +314,20 @@ def test_n_greedy_and_abort(tiny):
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_engine_samples_on_its_platforms_ops_and_they_agree_with_the_portable_ones(tiny_checkpoint):
+    """On CPU with the kernels the sampler is built on them; their draws are the portable ones'."""
+    from nanovllm.kernels import cpu as cpu_kernels
+    from nanovllm.layers.sampling_ops import SamplingOps
+    from nanovllm.platforms.cpu import KernelSamplingOps
+    llm = LLM(str(tiny_checkpoint("LlamaForCausalLM")), dtype="float32", num_kvcache_blocks=16)
+    ops = llm.llm_engine.executor.sampler.ops
+    assert type(ops) is (KernelSamplingOps if cpu_kernels.has_simd_kernels() else SamplingOps)
+    gen = torch.Generator().manual_seed(3)
+    logits, uniform = torch.randn(64, 300, generator=gen) * 2, torch.rand(64, generator=gen)
+    temperatures = torch.rand(64, generator=gen) + 0.5
+    tokens = ops.draw_unfiltered(logits, temperatures, uniform)
+    portable = SamplingOps().draw_unfiltered(logits, temperatures, uniform)
+    # The same draw to rounding: a uniform within rounding of a boundary could differ (none of these is).
+    assert (tokens != portable).sum() <= 1 and tokens.tolist() != [0] * 64

@@ -56,7 +56,7 @@ class ModelRunner:
             self.cuda_graphs.capture(headroom_bytes=int(total * (1 - config.gpu_memory_utilization)))
         with startup_phase("compile and warm-up"):
             self.compile_seconds = self.platform.compile(self.model, self._warmup)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.platform.sampling_ops())
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
     def _load_model(self) -> torch.nn.Module:

@@ -9,8 +9,9 @@ argmax; the others are scaled by temperature, filtered by min-p, top-k and top-p
 by inverse transform sampling:
 one uniform number per row, looked up in the row's cumulative probabilities (the Gumbel-max
 trick would need a random number per vocabulary entry, many times slower on CPU).
-On CPU, rows with no top-k, top-p or min-p filter are drawn by a compiled kernel that does
-the same without [rows, vocab] temporaries. Seeded rows draw from their own generator, so their
+Rows with no top-k, top-p or min-p filter, and the grammar's mask, go through the platform's
+sampling ops (layers/sampling_ops.py; on CPU compiled kernels that need no [rows, vocab]
+temporaries), given when the sampler is built. Seeded rows draw from their own generator, so their
 tokens do not depend on the batch.
 
 Everything but the logits is built on the host and copied without waiting (transfer.py); the
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from nanovllm.engine.transfer import to_device
-from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.layers.sampling_ops import SamplingOps, draw_by_inverse_transform
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -156,6 +157,11 @@ def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]
 
 
 class Sampler(nn.Module):
+    def __init__(self, ops: SamplingOps | None = None):
+        """`ops`: the platform's sampling ops (Platform.sampling_ops); the portable ones by default."""
+        super().__init__()
+        self.ops = ops or SamplingOps()
+
     def forward(self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> SamplerOutput:
         """logits: [n, vocab] raw model output; `generator` serves rows without their own seed."""
         logits = logits.float()
@@ -167,7 +173,7 @@ class Sampler(nn.Module):
         if batch.banned is not None:
             logits.index_put_(batch.banned, torch.full((), float("-inf"), device=logits.device))
         if batch.allowed is not None:
-            _mask_disallowed(logits, batch.allowed)
+            self.ops.mask_disallowed(logits, batch.allowed)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
@@ -199,8 +205,7 @@ class Sampler(nn.Module):
             logits = logits - batch.presence_penalty.unsqueeze(1) * (batch.output_counts > 0)
         return logits
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
         # Unseeded rows draw from the engine's stream on the device; seeded rows from their own
         # (host) streams, copied over in one go.
         uniform = torch.rand(len(logits), generator=generator, device=logits.device)
@@ -210,9 +215,8 @@ class Sampler(nn.Module):
             uniform.index_copy_(0, to_device(seeded, torch.long, logits.device),
                                 to_device(values, torch.float32, logits.device))
         temperatures = batch.temperatures.clamp(min=1e-5)
-        if batch.min_p is None and batch.top_k is None and batch.top_p is None and _has_cpu_sampler(logits):
-            # The same draw without [rows, vocab] temporaries, in a third of the time.
-            return torch.ops.nanovllm_cpu.sample_rows(logits, temperatures, uniform)
+        if batch.min_p is None and batch.top_k is None and batch.top_p is None:
+            return self.ops.draw_unfiltered(logits, temperatures, uniform)
         logits = logits / temperatures.unsqueeze(1)
         if batch.min_p is not None:
             probs = torch.softmax(logits, dim=-1)
@@ -220,28 +224,7 @@ class Sampler(nn.Module):
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if batch.top_k is not None or batch.top_p is not None:
             logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
-        cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)
-        total = cdf[:, -1:]
-        # The first token whose cumulative probability exceeds u * total; u < 1, but the product
-        # may round up to the total, past the last token with any probability.
-        target = torch.minimum(uniform.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
-        return torch.searchsorted(cdf, target, right=True).squeeze(1)
-
-
-def _has_cpu_sampler(logits: torch.Tensor) -> bool:
-    return logits.device.type == "cpu" and cpu_kernels.has_simd_kernels()
-
-
-def _mask_disallowed(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf where a row's bit is clear. On CPU a compiled loop; elsewhere the bits are unpacked
-    into [rows, vocab] temporaries, which a GPU's bandwidth makes cheap (CPU figures in
-    benchmarks/RESULTS.md)."""
-    if _has_cpu_sampler(logits):
-        torch.ops.nanovllm_cpu.mask_disallowed(logits, bitmask)
-        return
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(bitmask), -1)[:, :logits.shape[1]]
-    logits.masked_fill_(allowed == 0, float("-inf"))
+        return draw_by_inverse_transform(logits, uniform)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

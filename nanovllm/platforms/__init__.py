@@ -1,6 +1,7 @@
 """What differs per device, behind one small interface the model runner asks: which forward each
 elementwise op is built with (`choose_forward`, given to layers/custom_op.py's `built_for` while
-the model is constructed), how to prepare a loaded model (repack weights), which weight formats
+the model is constructed), the sampler's loops over the vocabulary (`sampling_ops`), how to
+prepare a loaded model (repack weights), which weight formats
 it multiplies in their blocks, where the KV cache lives, and whether and how to compile. Layers
 and models never ask.
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
+from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.layers.quantization import LinearMethod
 
 
@@ -26,6 +28,10 @@ class Platform:
     def choose_forward(self, op: CustomOp) -> Callable:
         """The forward an elementwise op built for this platform runs (its native one here)."""
         return op.forward_native
+
+    def sampling_ops(self) -> SamplingOps:
+        """The sampler's loops over [rows, vocab] logits (portable here)."""
+        return SamplingOps()
 
     def prepare_model(self, model: nn.Module) -> None:
         """Called once the weights are loaded."""

@@ -5,7 +5,8 @@ In bf16 on a machine that runs the SIMD kernels (nanovllm/kernels/cpu.py), every
 layer and the LM head take the packed CPU method, and RMSNorm and the gated SiLU are built on the
 elementwise kernels (their `forward_cpu`, rounding where the eager layers do); decoder layers of the
 Llama family then run as one kernel call a step (cpu_fused_layers) instead of compiled. Elsewhere
-the plain PyTorch layers run, compiled.
+the plain PyTorch layers run, compiled. The sampler's loops over the vocabulary run on the kernels
+wherever they run, in every dtype (KernelSamplingOps).
 """
 
 import ctypes
@@ -23,10 +24,22 @@ from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
+from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.platforms import Platform
 from nanovllm.platforms.cpu_fused_layers import fuse_decoder_layers
 
 logger = logging.getLogger(__name__)
+
+
+class KernelSamplingOps(SamplingOps):
+    """The sampler's loops on the CPU kernels: the same draws without [rows, vocab] temporaries
+    (in about a third of the time), the grammar's bits read in place."""
+
+    def draw_unfiltered(self, logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        return torch.ops.nanovllm_cpu.sample_rows(logits, temperatures, uniform)
+
+    def mask_disallowed(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        torch.ops.nanovllm_cpu.mask_disallowed(logits, bitmask)
 
 
 def keep_freed_memory_mapped() -> None:
@@ -63,6 +76,10 @@ class CPUPlatform(Platform):
 
     def choose_forward(self, op: CustomOp) -> Callable:
         return op.forward_cpu if self._on_kernels() else op.forward_native
+
+    def sampling_ops(self) -> SamplingOps:
+        # Every dtype: the sampler works on fp32 logits.
+        return KernelSamplingOps() if cpu_kernels.has_simd_kernels() else SamplingOps()
 
     def prepare_model(self, model: nn.Module) -> None:
         cpu_kernels.move_to_huge_pages([m.weight for m in model.modules()
