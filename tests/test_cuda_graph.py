@@ -14,7 +14,7 @@ from conftest import make_tiny_checkpoint, triton_skip_reason
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.attention.selector import BACKEND_ENV
-from nanovllm.engine.cuda_graph import PAD_SLOT, CUDAGraphRunner, DecodeInputs, graph_batch_sizes, select_bucket
+from nanovllm.platforms.cuda_graph import PAD_SLOT, CUDAGraphRunner, DecodeInputs, graph_batch_sizes, select_bucket
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

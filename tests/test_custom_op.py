@@ -1,6 +1,8 @@
-"""An elementwise op's forward is chosen once, when it is built, by the platform the model is built
-for, and an engine's model keeps the classes it was built as: nothing is swapped after load."""
+"""What the platform decides when the model is built: an elementwise op's forward (chosen once, at
+construction; an engine's model keeps the classes it was built as, nothing is swapped after load)
+and the attention backend (which NANOVLLM_ATTENTION_BACKEND overrides)."""
 
+import pytest
 import torch
 
 from nanovllm import LLM
@@ -48,3 +50,20 @@ def test_an_engine_model_keeps_the_classes_it_was_built_as(tiny_checkpoint):
     assert {name: type(m) for name, m in model.named_modules()} == built
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
     assert ops and all(op.forward_name == runner.platform.choose_forward(op).__name__ for op in ops)
+
+
+def test_the_platform_chooses_the_attention_backend_and_the_environment_overrides_it(tiny_checkpoint, monkeypatch):
+    from nanovllm.attention.cpu import CPUBackend
+    from nanovllm.attention.selector import BACKEND_ENV
+    from nanovllm.attention.torch_native import TorchNativeBackend
+    from nanovllm.kernels import cpu as cpu_kernels
+    path = str(tiny_checkpoint("LlamaForCausalLM"))
+    runner = LLM(path, dtype="float32", num_kvcache_blocks=16, enforce_eager=True).llm_engine.executor
+    assert type(runner.backend) is (CPUBackend if cpu_kernels.available() else TorchNativeBackend)
+    assert runner.platform.attention_backend(torch.float32, 63, 16) == "torch_native"  # an odd head size
+    monkeypatch.setenv(BACKEND_ENV, "torch_native")
+    forced = LLM(path, dtype="float32", num_kvcache_blocks=16, enforce_eager=True).llm_engine.executor
+    assert type(forced.backend) is TorchNativeBackend
+    monkeypatch.setenv(BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match="NANOVLLM_ATTENTION_BACKEND='fast'; expected one of cpu, torch_native"):
+        LLM(path, dtype="float32", num_kvcache_blocks=16, enforce_eager=True)

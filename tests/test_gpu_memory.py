@@ -7,7 +7,7 @@ import torch
 
 from conftest import make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.gpu_memory import kv_cache_budget, profile_kv_cache_bytes, run_warmup_step, warmup_batch
+from nanovllm.platforms.gpu_memory import kv_cache_budget, profile_kv_cache_bytes, run_warmup_step, warmup_batch
 
 GiB = 1 << 30
 

@@ -14,7 +14,7 @@ if triton_skip_reason():
 from nanovllm.attention.base import forward_context  # noqa: E402
 from nanovllm.attention.torch_native import TorchNativeBackend  # noqa: E402
 from nanovllm.distributed.parallel_state import SINGLE  # noqa: E402
-from nanovllm.engine.gpu_memory import warmup_batch  # noqa: E402
+from nanovllm.platforms.gpu_memory import warmup_batch  # noqa: E402
 from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import get_rope  # noqa: E402
@@ -85,7 +85,7 @@ def test_a_model_built_for_cuda_gives_the_native_logits():
     native = get_model_class(config)(config, SINGLE).to(DEVICE).eval()
     for p in native.parameters():
         p.data.normal_(0, 0.2)
-    with built_for(CUDAPlatform().choose_forward):
+    with built_for(CUDAPlatform(torch.device(DEVICE), enforce_eager=True).choose_forward):
         on_triton = get_model_class(config)(config, SINGLE).to(DEVICE).eval()
     on_triton.load_state_dict(native.state_dict())
     ops = [m for m in on_triton.modules() if isinstance(m, CustomOp)]

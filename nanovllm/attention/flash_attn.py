@@ -1,7 +1,7 @@
 """Attention through flash-attn 2 (CUDA, fp16/bf16), used when it is installed and supports
 the KV block size.
 
-Importing this module fails without the `flash_attn` package; the selector then picks Triton.
+Importing this module fails without the `flash_attn` package; the CUDA platform then picks Triton.
 New K/V go into the cache with the Triton store kernel (slot -1 writes nowhere). Decode-only
 steps call `flash_attn_with_kvcache` (split-KV decoding, CUDA-graph safe: the metadata only
 aliases the layout's tensors); steps with a prefill chunk call `flash_attn_varlen_func` over

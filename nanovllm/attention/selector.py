@@ -1,50 +1,34 @@
-"""Chooses the attention backend for the engine's device.
+"""The attention backends by name, and the user's override of the platform's choice.
 
-CPU: the compiled CPU kernels (built on first use), or the portable PyTorch backend where
-they cannot be built or the head or block size is odd. CUDA: flash-attn when it is installed and supports the
-dtype, head size and KV block size (its paged cache needs blocks of a multiple of 256
-tokens, so the default block size of 16 runs Triton); otherwise the Triton kernels.
-NANOVLLM_ATTENTION_BACKEND=cpu|torch_native|triton|flash_attn overrides the choice (as vLLM's
+Which backend runs is the platform's decision (Platform.attention_backend: on CPU the compiled
+kernels, or the portable PyTorch backend where they cannot be built or the head or block size is
+odd; on CUDA flash-attn where it takes the dtype, head size and block size, else Triton).
+NANOVLLM_ATTENTION_BACKEND=cpu|torch_native|triton|flash_attn overrides it (as vLLM's
 VLLM_ATTENTION_BACKEND does); Triton on CPU tensors needs TRITON_INTERPRET=1, for tests.
 """
 
+import importlib
 import os
-
-import torch
 
 from nanovllm.attention.base import AttentionBackend
 
 BACKEND_ENV = "NANOVLLM_ATTENTION_BACKEND"
-BACKENDS = ("cpu", "torch_native", "triton", "flash_attn")
+# Each backend's module and class, imported only when chosen (flash_attn and triton need their packages).
+BACKENDS = {"cpu": ("nanovllm.attention.cpu", "CPUBackend"),
+            "torch_native": ("nanovllm.attention.torch_native", "TorchNativeBackend"),
+            "triton": ("nanovllm.attention.triton", "TritonBackend"),
+            "flash_attn": ("nanovllm.attention.flash_attn", "FlashAttnBackend")}
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+def forced_backend() -> str | None:
+    """The backend NANOVLLM_ATTENTION_BACKEND names, or None where it is unset."""
     forced = os.environ.get(BACKEND_ENV)
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={forced!r}; expected one of {', '.join(BACKENDS)}")
-        return forced
-    if device.type == "cpu":
-        from nanovllm.attention.cpu import cpu_backend_supports
-        return "cpu" if cpu_backend_supports(head_dim, block_size) else "torch_native"
-    if device.type != "cuda":
-        return "torch_native"
-    try:
-        from nanovllm.attention.flash_attn import flash_attn_supports
-    except ImportError:  # flash-attn is not installed
-        return "triton"
-    return "flash_attn" if flash_attn_supports(dtype, head_dim, block_size) else "triton"
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={forced!r}; expected one of {', '.join(BACKENDS)}")
+    return forced or None
 
 
-def make_attention_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                           head_dim: int, block_size: int) -> AttentionBackend:
-    name = select_backend(device, dtype, head_dim, block_size)
-    if name == "flash_attn":
-        from nanovllm.attention.flash_attn import FlashAttnBackend as backend_cls
-    elif name == "triton":
-        from nanovllm.attention.triton import TritonBackend as backend_cls
-    elif name == "cpu":
-        from nanovllm.attention.cpu import CPUBackend as backend_cls
-    else:
-        from nanovllm.attention.torch_native import TorchNativeBackend as backend_cls
-    return backend_cls(num_heads, num_kv_heads, head_dim, block_size)
+def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                           block_size: int) -> AttentionBackend:
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(num_heads, num_kv_heads, head_dim, block_size)

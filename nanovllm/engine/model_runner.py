@@ -7,17 +7,14 @@ layer, in the attention backend's layout, sliced into the attention layers).
 """
 
 import logging
-import os
 
 import numpy as np
 import torch
 
 from nanovllm.attention.base import BatchLayout, forward_context
-from nanovllm.attention.selector import make_attention_backend
-from nanovllm.config import CPU_KV_CACHE_RAM_SHARE, EngineConfig
+from nanovllm.attention.selector import forced_backend, make_attention_backend
+from nanovllm.config import EngineConfig
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
-from nanovllm.engine.cuda_graph import CUDAGraphRunner
-from nanovllm.engine.gpu_memory import profile_kv_cache_bytes, warmup_batch
 from nanovllm.engine.sampler import PromptLogprobs, Sampler, SamplerOutput, SamplingBatch, token_logprobs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.structured_output import grammar_bitmask
@@ -27,6 +24,7 @@ from nanovllm.layers.custom_op import built_for
 from nanovllm.loader.weights import keep_in_blocks, load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.platforms import get_platform
+from nanovllm.platforms.gpu_memory import warmup_batch
 from nanovllm.startup import phase as startup_phase
 
 GiB = 1 << 30
@@ -43,17 +41,15 @@ class ModelRunner:
         self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attn_layers[0]
-        self.backend = make_attention_backend(self.device, config.torch_dtype, first.num_heads, first.num_kv_heads,
-                                              first.head_dim, self.block_size)
+        backend = forced_backend() or self.platform.attention_backend(config.torch_dtype, first.head_dim,
+                                                                      self.block_size)
+        self.backend = make_attention_backend(backend, first.num_heads, first.num_kv_heads, first.head_dim,
+                                              self.block_size)
         with startup_phase("KV cache"):
             self.num_kvcache_blocks = self._num_kv_blocks()
             self._allocate_kv_cache()
-        self.cuda_graphs = None  # decode steps replay captured graphs when set
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs, config.max_model_len,
-                                               self.block_size, self.device)
-            total = torch.cuda.mem_get_info(self.device)[1]
-            self.cuda_graphs.capture(headroom_bytes=int(total * (1 - config.gpu_memory_utilization)))
+        # Decode steps replay captured graphs when the platform gives a runner for them.
+        self.cuda_graphs = self.platform.graph_runner(self.model, self.backend, config)
         with startup_phase("compile and warm-up"):
             self.compile_seconds = self.platform.compile(self.model, self._warmup)
         self.sampler = Sampler(self.platform.sampling_ops())
@@ -94,10 +90,7 @@ class ModelRunner:
         elif config.kv_cache_memory_gb is not None:
             num_blocks = int(config.kv_cache_memory_gb * GiB) // per_block
         else:
-            if self.device.type == "cuda":
-                budget = profile_kv_cache_bytes(self.model, self.attn_layers, self.backend, config, self.device)
-            else:
-                budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_CACHE_RAM_SHARE)
+            budget = self.platform.kv_cache_budget_bytes(self.model, self.attn_layers, self.backend, config)
             # No point holding more than max_num_seqs full-length sequences can use (and a small
             # model on a large GPU would otherwise get millions of blocks, each a Python object).
             num_blocks = min(budget // per_block, config.max_num_seqs * -(-config.max_model_len // self.block_size))

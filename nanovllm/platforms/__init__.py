@@ -1,21 +1,19 @@
-"""What differs per device, behind one small interface the model runner asks: which forward each
-elementwise op is built with (`choose_forward`, given to layers/custom_op.py's `built_for` while
-the model is constructed), the sampler's loops over the vocabulary (`sampling_ops`), how to
-prepare a loaded model (repack weights), which weight formats
-it multiplies in their blocks, where the KV cache lives, and whether and how to compile. Layers
-and models never ask.
-
-CUDA's own pieces (graph capture, memory sizing) are still in engine/cuda_graph.py and
-engine/gpu_memory.py; the CUDA platform (cuda.py) builds the elementwise ops on Triton kernels,
-and without Triton the defaults serve.
+"""What differs per device, behind one small interface the model runner asks, one platform a
+device (cpu.py, cuda.py): which forward each elementwise op is built with (`choose_forward`,
+given to layers/custom_op.py's `built_for` while the model is constructed), the attention
+backend (`attention_backend`), the sampler's loops over the vocabulary (`sampling_ops`), how to
+prepare a loaded model (repack weights), which weight formats it multiplies in their blocks, how
+much memory the KV cache gets and where it lives, whether steps replay CUDA graphs
+(`graph_runner`), and whether and how to compile. Layers and models never ask.
 """
 
-import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from nanovllm.config import CPU_KV_CACHE_RAM_SHARE
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.sampling_ops import SamplingOps
@@ -32,6 +30,18 @@ class Platform:
     def sampling_ops(self) -> SamplingOps:
         """The sampler's loops over [rows, vocab] logits (portable here)."""
         return SamplingOps()
+
+    def attention_backend(self, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+        """The attention backend's name (attention/selector.py's BACKENDS) for these shapes."""
+        return "torch_native"
+
+    def kv_cache_budget_bytes(self, model: nn.Module, attn_layers: list, backend, config) -> int:
+        """Bytes the KV cache may take when the user gave no size: here a share of the RAM free now."""
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_CACHE_RAM_SHARE)
+
+    def graph_runner(self, model: nn.Module, backend, config):
+        """What replays captured decode steps (platforms/cuda_graph.py), or None: steps run eagerly."""
+        return None
 
     def prepare_model(self, model: nn.Module) -> None:
         """Called once the weights are loaded."""
@@ -56,7 +66,7 @@ def get_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool, 
     if device.type == "cpu":
         from nanovllm.platforms.cpu import CPUPlatform
         return CPUPlatform(dtype, enforce_eager, tp_group)
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+    if device.type == "cuda":
         from nanovllm.platforms.cuda import CUDAPlatform
-        return CUDAPlatform()
+        return CUDAPlatform(device, enforce_eager)
     return Platform()

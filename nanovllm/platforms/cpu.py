@@ -77,6 +77,10 @@ class CPUPlatform(Platform):
     def choose_forward(self, op: CustomOp) -> Callable:
         return op.forward_cpu if self._on_kernels() else op.forward_native
 
+    def attention_backend(self, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+        from nanovllm.attention.cpu import cpu_backend_supports  # builds the kernels
+        return "cpu" if cpu_backend_supports(head_dim, block_size) else "torch_native"
+
     def sampling_ops(self) -> SamplingOps:
         # Every dtype: the sampler works on fp32 logits.
         return KernelSamplingOps() if cpu_kernels.has_simd_kernels() else SamplingOps()

@@ -1,14 +1,48 @@
 """The CUDA platform: a decoder layer's elementwise ops (RMSNorm with its residual add, the gated
 SiLU, rotary embedding) built on single Triton kernels (their `forward_cuda`, which calls
-kernels/triton_elementwise.py). Graph capture and memory sizing are engine/cuda_graph.py's and
-engine/gpu_memory.py's."""
+kernels/triton_elementwise.py) where Triton is installed; flash-attn where it takes the shapes,
+else the Triton attention kernels; the KV cache sized by a measured warm-up step (gpu_memory.py);
+decode steps replayed from CUDA graphs (cuda_graph.py) unless enforce_eager."""
 
+import importlib.util
 from collections.abc import Callable
+
+import torch
+from torch import nn
 
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.platforms import Platform
 
 
 class CUDAPlatform(Platform):
+    def __init__(self, device: torch.device, enforce_eager: bool):
+        self.device = device
+        self.enforce_eager = enforce_eager
+        self.has_triton = importlib.util.find_spec("triton") is not None
+
     def choose_forward(self, op: CustomOp) -> Callable:
-        return op.forward_cuda
+        return op.forward_cuda if self.has_triton else op.forward_native
+
+    def attention_backend(self, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+        # flash-attn's paged cache needs blocks of a multiple of 256 tokens: the default 16 runs Triton.
+        try:
+            from nanovllm.attention.flash_attn import flash_attn_supports
+        except ImportError:  # flash-attn is not installed
+            flash_attn_supports = None
+        if flash_attn_supports is not None and flash_attn_supports(dtype, head_dim, block_size):
+            return "flash_attn"
+        return "triton" if self.has_triton else "torch_native"
+
+    def kv_cache_budget_bytes(self, model: nn.Module, attn_layers: list, backend, config) -> int:
+        from nanovllm.platforms.gpu_memory import profile_kv_cache_bytes
+        return profile_kv_cache_bytes(model, attn_layers, backend, config, self.device)
+
+    def graph_runner(self, model: nn.Module, backend, config):
+        if self.enforce_eager or not backend.supports_cuda_graphs:
+            return None
+        from nanovllm.platforms.cuda_graph import CUDAGraphRunner
+        graphs = CUDAGraphRunner(model, backend, config.max_num_seqs, config.max_model_len, config.kvcache_block_size,
+                                 self.device)
+        total = torch.cuda.mem_get_info(self.device)[1]
+        graphs.capture(headroom_bytes=int(total * (1 - config.gpu_memory_utilization)))
+        return graphs
