@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     from nanovllm.loader.checkpoint import Checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Share of available RAM that the CPU KV cache takes when neither kv_cache_memory_gb nor
-# num_kvcache_blocks is given (capped, as on CUDA, at what max_num_seqs full-length sequences need).
-CPU_KV_CACHE_RAM_SHARE = 0.2
 # The environment variable that sets the CPU threads when num_threads is not given.
 NUM_THREADS_ENV = "NANOVLLM_NUM_THREADS"
 
@@ -38,14 +35,6 @@ def usable_cpus() -> int:
     except (OSError, ValueError):
         pass
     return cpus
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True where the CPU kernels run (AVX512-BF16 or AVX2; see nanovllm/kernels/cpu.py): with
-    them bf16 weights, which decode reads at half fp32's bytes, run faster than fp32 end to end
-    (figures in benchmarks/RESULTS.md). Elsewhere plain PyTorch's fp32 is the faster."""
-    from nanovllm.kernels import cpu as cpu_kernels
-    return cpu_kernels.has_simd_kernels()
 
 
 @dataclass
@@ -127,10 +116,8 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA device is available")
         if self.dtype == "auto":
-            if self.device == "cuda":
-                self.dtype = "bfloat16"
-            else:
-                self.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
+            from nanovllm.platforms import platform_class
+            self.dtype = platform_class(self.device).default_dtype()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {self.dtype!r}")
         if self.device == "cpu" and self.dtype == "float16":

@@ -85,7 +85,7 @@ def test_a_model_built_for_cuda_gives_the_native_logits():
     native = get_model_class(config)(config, SINGLE).to(DEVICE).eval()
     for p in native.parameters():
         p.data.normal_(0, 0.2)
-    with built_for(CUDAPlatform(torch.device(DEVICE), enforce_eager=True).choose_forward):
+    with built_for(CUDAPlatform(torch.device(DEVICE), torch.float32, True, SINGLE).choose_forward):
         on_triton = get_model_class(config)(config, SINGLE).to(DEVICE).eval()
     on_triton.load_state_dict(native.state_dict())
     ops = [m for m in on_triton.modules() if isinstance(m, CustomOp)]

@@ -13,15 +13,27 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nanovllm.config import CPU_KV_CACHE_RAM_SHARE
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.layers.quantization import LinearMethod
 
 
+# Share of available RAM that a KV cache in host memory takes when neither kv_cache_memory_gb nor
+# num_kvcache_blocks is given (capped, as on CUDA, at what max_num_seqs full-length sequences need).
+KV_CACHE_RAM_SHARE = 0.2
+
+
 class Platform:
     """The defaults: nothing to prepare, an ordinary cache tensor, eager steps."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup):
+        self.device, self.dtype, self.enforce_eager, self.tp_group = device, dtype, enforce_eager, tp_group
+
+    @staticmethod
+    def default_dtype() -> str:
+        """What dtype="auto" means here."""
+        return "float32"
 
     def choose_forward(self, op: CustomOp) -> Callable:
         """The forward an elementwise op built for this platform runs (its native one here)."""
@@ -37,7 +49,7 @@ class Platform:
 
     def kv_cache_budget_bytes(self, model: nn.Module, attn_layers: list, backend, config) -> int:
         """Bytes the KV cache may take when the user gave no size: here a share of the RAM free now."""
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_CACHE_RAM_SHARE)
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_CACHE_RAM_SHARE)
 
     def graph_runner(self, model: nn.Module, backend, config):
         """What replays captured decode steps (platforms/cuda_graph.py), or None: steps run eagerly."""
@@ -62,11 +74,16 @@ class Platform:
         return 0.0
 
 
-def get_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup) -> Platform:
-    if device.type == "cpu":
+def platform_class(device_type: str) -> type[Platform]:
+    """The platform of a device type ("cpu", "cuda"; any other gets the defaults)."""
+    if device_type == "cpu":
         from nanovllm.platforms.cpu import CPUPlatform
-        return CPUPlatform(dtype, enforce_eager, tp_group)
-    if device.type == "cuda":
+        return CPUPlatform
+    if device_type == "cuda":
         from nanovllm.platforms.cuda import CUDAPlatform
-        return CUDAPlatform(device, enforce_eager)
-    return Platform()
+        return CUDAPlatform
+    return Platform
+
+
+def get_platform(device: torch.device, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup) -> Platform:
+    return platform_class(device.type)(device, dtype, enforce_eager, tp_group)

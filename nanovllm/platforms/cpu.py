@@ -63,12 +63,19 @@ def keep_freed_memory_mapped() -> None:
 
 
 class CPUPlatform(Platform):
-    def __init__(self, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup):
+    def __init__(self, device: torch.device, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup):
+        super().__init__(device, dtype, enforce_eager, tp_group)
         keep_freed_memory_mapped()
-        self.dtype = dtype
         # enforce_eager is the exact reference; tensor parallelism runs eager (collectives
         # inside the graph are not worth a compile on CPU).
         self.compiled = not enforce_eager and tp_group.world_size == 1
+
+    @staticmethod
+    def default_dtype() -> str:
+        # bf16 weights, which decode reads at half fp32's bytes, run faster than fp32 end to end
+        # where the kernels run (AVX512-BF16 or AVX2); elsewhere plain PyTorch's fp32 is the faster
+        # (benchmarks/RESULTS.md). Deciding builds (or loads) the kernels.
+        return "bfloat16" if cpu_kernels.has_simd_kernels() else "float32"
 
     def _on_kernels(self) -> bool:
         """Whether the model runs on the packed and elementwise kernels."""

@@ -10,15 +10,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.platforms import Platform
 
 
 class CUDAPlatform(Platform):
-    def __init__(self, device: torch.device, enforce_eager: bool):
-        self.device = device
-        self.enforce_eager = enforce_eager
+    def __init__(self, device: torch.device, dtype: torch.dtype, enforce_eager: bool, tp_group: TPGroup):
+        super().__init__(device, dtype, enforce_eager, tp_group)
         self.has_triton = importlib.util.find_spec("triton") is not None
+
+    @staticmethod
+    def default_dtype() -> str:
+        return "bfloat16"
 
     def choose_forward(self, op: CustomOp) -> Callable:
         return op.forward_cuda if self.has_triton else op.forward_native

@@ -11,7 +11,6 @@ live in the headroom that a utilization below 1 leaves.
 import torch
 
 from nanovllm.attention.base import AttentionBackend, BatchLayout, forward_context
-from nanovllm.config import EngineConfig
 from nanovllm.layers.attention import Attention
 
 
@@ -43,7 +42,7 @@ def warmup_batch(num_tokens: int, max_model_len: int, max_num_seqs: int, block_s
 
 @torch.inference_mode()
 def run_warmup_step(model: torch.nn.Module, attn_layers: list[Attention], backend: AttentionBackend,
-                    config: EngineConfig, device: torch.device) -> None:
+                    config, device: torch.device) -> None:
     """One forward at the largest step, plus logits (and their fp32 softmax) for
     max_num_seqs rows, against a scratch cache that is unbound again afterwards."""
     scratch = torch.zeros(backend.kv_cache_shape(1), dtype=config.torch_dtype, device=device)
@@ -70,7 +69,7 @@ def kv_cache_budget(total: int, free: int, step_peak: int, utilization: float) -
 
 
 def profile_kv_cache_bytes(model: torch.nn.Module, attn_layers: list[Attention], backend: AttentionBackend,
-                           config: EngineConfig, device: torch.device) -> int:
+                           config, device: torch.device) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
