@@ -23,7 +23,7 @@ from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.platforms.cpu_compile import LayerGroup
-from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers
+from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers, unfusable_reason
 
 pytestmark = requires_default_model
 
@@ -140,3 +140,37 @@ def test_first_steps_compile_nothing():
     out = llm.generate([list(range(100, 160)), [7, 8, 9]], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_what_keeps_the_layers_from_the_fused_path_is_named(engines):
+    """The eager engine's layers (the compiled one's are already fused): nothing keeps them from
+    one kernel call as built; a changed eps, or a layer of another kind, gives its reason, which
+    the start-up logs."""
+    if not cpu_kernels.has_simd_kernels():
+        pytest.skip("no SIMD kernels: nothing is fused")
+    decoder = engines["eager"].llm_engine.executor.model.model
+    assert unfusable_reason(decoder) is None
+    layers = list(decoder.layers)
+    eps = layers[1].input_layernorm.eps
+    try:
+        layers[1].input_layernorm.eps = eps * 2
+        assert unfusable_reason(decoder) == "layer 1: its norms differ in eps"
+        layers[1].post_attention_layernorm.eps = layers[1].input_layernorm.eps
+        if layers[1].self_attn.qk_norm:
+            layers[1].self_attn.q_norm.eps = layers[1].self_attn.k_norm.eps = layers[1].input_layernorm.eps
+        assert unfusable_reason(decoder) == ("the layers differ in norm eps or attention scale "
+                                             "(the call takes one of each)")
+    finally:
+        for norm in (layers[1].input_layernorm, layers[1].post_attention_layernorm,
+                     getattr(layers[1].self_attn, "q_norm", None), getattr(layers[1].self_attn, "k_norm", None)):
+            if norm is not None:
+                norm.eps = eps
+    assert unfusable_reason(decoder) is None
+    other_kind = unfusable_reason(_holding([torch.nn.Identity()]))
+    assert other_kind == "layer 0: Identity is not a Llama-family layer, the only kind the kernel runs"
+
+
+def _holding(layers: list[torch.nn.Module]) -> torch.nn.Module:
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList(layers)
+    return decoder

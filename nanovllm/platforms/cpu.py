@@ -26,7 +26,7 @@ from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.platforms import Platform
-from nanovllm.platforms.cpu_fused_layers import fuse_decoder_layers
+from nanovllm.platforms.cpu_fused_layers import fuse_decoder_layers, unfusable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,10 @@ class CPUPlatform(Platform):
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
-        if self._on_kernels() and fuse_decoder_layers(model.model):
+        # Which path runs and why, in the start-up's log line: never a silent fallback.
+        reason = unfusable_reason(model.model) if self._on_kernels() else "the model is not on the bf16 kernels"
+        if reason is None:
+            fuse_decoder_layers(model.model)
             done = "fused the decoder layers (one kernel call a step)"
         else:
             # Imported here: it imports Inductor and Dynamo, about a second a start that
@@ -140,7 +143,7 @@ class CPUPlatform(Platform):
             # makes Dynamo abort the trace; fused layers trace nothing.
             gc.collect()
             compile_decoder_layers(model.model)
-            done = "compiled (or loaded) the decoder layers"
+            done = f"compiled (or loaded) the decoder layers (not fused: {reason})"
         warmup()
         seconds = time.perf_counter() - start
         logger.info("%s for CPU in %.1f s", done, seconds)

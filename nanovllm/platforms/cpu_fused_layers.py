@@ -20,31 +20,46 @@ from nanovllm.attention.cpu import CPUBackend
 from nanovllm.models.llama import LlamaDecoderLayer
 
 
-def fuse_decoder_layers(decoder: nn.Module) -> bool:
-    """Replace `decoder.layers` by one FusedDecoderLayers if every layer can be fused; else
-    leave them and return False. Only for a model on the elementwise kernels in bf16."""
+def unfusable_reason(decoder: nn.Module) -> str | None:
+    """Why `decoder.layers` cannot run as one kernel call, or None where they can. The caller
+    knows whether the model is on the elementwise kernels in bf16."""
     layers = list(decoder.layers)
-    if not layers or not all(fusable(layer) for layer in layers):
-        return False
-    # The call takes one eps and one attention scale for every layer.
+    if not layers:
+        return "the model has no decoder layers"
+    for i, layer in enumerate(layers):
+        reason = _layer_reason(layer)
+        if reason is not None:
+            return f"layer {i}: {reason}"
     if len({(layer.input_layernorm.eps, layer.self_attn.attn.scale) for layer in layers}) != 1:
-        return False
-    decoder.layers = nn.ModuleList([FusedDecoderLayers(layers)])
-    return True
+        return "the layers differ in norm eps or attention scale (the call takes one of each)"
+    return None
 
 
-def fusable(layer: nn.Module) -> bool:
+def _layer_reason(layer: nn.Module) -> str | None:
     if not isinstance(layer, LlamaDecoderLayer):
-        return False
+        return f"{type(layer).__name__} is not a Llama-family layer, the only kind the kernel runs"
     attn = layer.self_attn
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if attn.qk_norm:
         norms += [attn.q_norm, attn.k_norm]
-    linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    return (all(norm.weight.dtype == torch.bfloat16 and norm.eps == norms[0].eps for norm in norms)
-            and all(hasattr(linear.linear_method, "fused_kernel_args") and linear.tp_group.world_size == 1
-                    for linear in linears)
-            and attn.rotary_emb.cos_sin_cache.dtype == torch.float32)
+    if any(norm.weight.dtype != torch.bfloat16 for norm in norms):
+        return "a norm's weight is not bfloat16"
+    if any(norm.eps != norms[0].eps for norm in norms):
+        return "its norms differ in eps"
+    for name, linear in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
+                         ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+        if not hasattr(linear.linear_method, "fused_kernel_args"):
+            return f"{name}'s linear method ({type(linear.linear_method).__name__}) has no fused kernel"
+        if linear.tp_group.world_size != 1:
+            return "it runs tensor-parallel"
+    if attn.rotary_emb.cos_sin_cache.dtype != torch.float32:
+        return "its RoPE cache is not float32"
+    return None
+
+
+def fuse_decoder_layers(decoder: nn.Module) -> None:
+    """Replace `decoder.layers` by one FusedDecoderLayers (only where unfusable_reason is None)."""
+    decoder.layers = nn.ModuleList([FusedDecoderLayers(list(decoder.layers))])
 
 
 def kernel_args(layer: LlamaDecoderLayer) -> tuple[list, list[int]]:
