@@ -60,7 +60,7 @@ def test_the_platform_chooses_the_attention_backend_and_the_environment_override
     path = str(tiny_checkpoint("LlamaForCausalLM"))
     runner = LLM(path, dtype="float32", num_kvcache_blocks=16, enforce_eager=True).llm_engine.executor
     assert type(runner.backend) is (CPUBackend if cpu_kernels.available() else TorchNativeBackend)
-    assert runner.platform.attention_backend(torch.float32, 63, 16) == "torch_native"  # an odd head size
+    assert runner.platform.attention_backend(63, 16) == "torch_native"  # an odd head size
     monkeypatch.setenv(BACKEND_ENV, "torch_native")
     forced = LLM(path, dtype="float32", num_kvcache_blocks=16, enforce_eager=True).llm_engine.executor
     assert type(forced.backend) is TorchNativeBackend

@@ -41,9 +41,8 @@ class ModelRunner:
         self.model = self._load_model()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attn_layers[0]
-        backend = forced_backend() or self.platform.attention_backend(config.torch_dtype, first.head_dim,
-                                                                      self.block_size)
-        self.backend = make_attention_backend(backend, first.num_heads, first.num_kv_heads, first.head_dim,
+        backend_name = forced_backend() or self.platform.attention_backend(first.head_dim, self.block_size)
+        self.backend = make_attention_backend(backend_name, first.num_heads, first.num_kv_heads, first.head_dim,
                                               self.block_size)
         with startup_phase("KV cache"):
             self.num_kvcache_blocks = self._num_kv_blocks()

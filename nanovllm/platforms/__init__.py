@@ -15,8 +15,8 @@ from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
-from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.layers.quantization import LinearMethod
+from nanovllm.layers.sampling_ops import SamplingOps
 
 
 # Share of available RAM that a KV cache in host memory takes when neither kv_cache_memory_gb nor
@@ -43,8 +43,9 @@ class Platform:
         """The sampler's loops over [rows, vocab] logits (portable here)."""
         return SamplingOps()
 
-    def attention_backend(self, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
-        """The attention backend's name (attention/selector.py's BACKENDS) for these shapes."""
+    def attention_backend(self, head_dim: int, block_size: int) -> str:
+        """The attention backend's name (attention/selector.py's BACKENDS) for these shapes, in
+        this platform's dtype."""
         return "torch_native"
 
     def kv_cache_budget_bytes(self, model: nn.Module, attn_layers: list, backend, config) -> int:

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 class KernelSamplingOps(SamplingOps):
     """The sampler's loops on the CPU kernels: the same draws without [rows, vocab] temporaries
-    (in about a third of the time), the grammar's bits read in place."""
+    (faster: benchmarks/RESULTS.md), the grammar's bits read in place."""
 
     def draw_unfiltered(self, logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.sample_rows(logits, temperatures, uniform)
@@ -84,7 +84,7 @@ class CPUPlatform(Platform):
     def choose_forward(self, op: CustomOp) -> Callable:
         return op.forward_cpu if self._on_kernels() else op.forward_native
 
-    def attention_backend(self, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    def attention_backend(self, head_dim: int, block_size: int) -> str:
         from nanovllm.attention.cpu import cpu_backend_supports  # builds the kernels
         return "cpu" if cpu_backend_supports(head_dim, block_size) else "torch_native"
 

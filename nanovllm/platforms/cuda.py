@@ -27,13 +27,13 @@ class CUDAPlatform(Platform):
     def choose_forward(self, op: CustomOp) -> Callable:
         return op.forward_cuda if self.has_triton else op.forward_native
 
-    def attention_backend(self, dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    def attention_backend(self, head_dim: int, block_size: int) -> str:
         # flash-attn's paged cache needs blocks of a multiple of 256 tokens: the default 16 runs Triton.
         try:
             from nanovllm.attention.flash_attn import flash_attn_supports
         except ImportError:  # flash-attn is not installed
             flash_attn_supports = None
-        if flash_attn_supports is not None and flash_attn_supports(dtype, head_dim, block_size):
+        if flash_attn_supports is not None and flash_attn_supports(self.dtype, head_dim, block_size):
             return "flash_attn"
         return "triton" if self.has_triton else "torch_native"
 

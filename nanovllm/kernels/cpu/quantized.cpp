@@ -521,12 +521,14 @@ inline void for_each_chunk(const uint8_t* row, int64_t K, Visit&& visit) {
 // Rows of x quantized to blocks of 32 values of `bits` bits (16: |q| <= 32767; 8: |q| <= 127, kept
 // in 16-bit words all the same) with the block's fp32 scale and the sum of its quantized values
 // (times a format's offset, the offset's share of the dot product), so the product is exactly that
-// of x rounded to these blocks with the dequantized weight. With 8 bits, the integer sums of each
-// group's chunks' halves (what a weight's byte bias adds to byte products), and with `byte_rows`
-// too (the row kernel's steps) each group's values as bytes in simd::ByteQuad's layout, what the
-// row kernel's byte products read (byte_group_sums).
+// of x rounded to these blocks with the dequantized weight. Where the call multiplies bytes
+// (`byte_products`: 8 bits, a part in a format with kByteProducts), the integer sums of each
+// group's chunks' halves (what a weight's byte bias adds to byte products), and in the row
+// kernel's steps (`streaming`) each group's values as bytes in simd::ByteQuad's layout, what its
+// byte products read (byte_group_sums).
 struct QuantizedRows {
   int64_t chunks, bits;
+  bool byte_products;
   std::vector<int16_t> q;
   std::vector<float> scale, sum;
   std::vector<int8_t> bytes;       // [row][K]: each group's four ByteQuads
@@ -535,9 +537,10 @@ struct QuantizedRows {
   // Each row's groups of eight chunks are laid out as the lanes formats' quads (value j of a
   // group's chunk l in vector j / 2, word 2l + j % 2); the last K % 256 values in order.
   template <typename T>
-  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, int64_t bits, bool byte_rows)
-      : chunks(K / 32), bits(bits), q(M * K), scale(M * chunks), sum(M * chunks),
-        bytes(bits == 8 && byte_rows ? M * K : 0), half_sums(bits == 8 ? M * K / 256 * 16 : 0) {
+  QuantizedRows(const T* x, int64_t x_stride, int64_t M, int64_t K, int64_t bits, bool byte_products, bool streaming)
+      : chunks(K / 32), bits(bits), byte_products(byte_products), q(M * K), scale(M * chunks), sum(M * chunks),
+        bytes(byte_products && streaming ? M * K : 0), half_sums(byte_products ? M * K / 256 * 16 : 0) {
+    TORCH_INTERNAL_ASSERT(!byte_products || bits == 8, "byte products need x in 8 bits");
     // A row's units: its groups, then its other chunks one by one.
     const int64_t groups = K / 256, units = groups + chunks - 8 * groups;
     parallel_for(0, M * units, 8, [&](int64_t begin, int64_t end) {
@@ -800,6 +803,13 @@ struct Part {
   int64_t w_stride, first, rows;
 };
 
+// Whether a part's format takes x of 8 bits as bytes (kByteProducts).
+bool has_byte_products(const Part& part) {
+  bool bytes = false;
+  with_lanes_format(part.type, [&](auto format) { bytes = kByteProducts<decltype(format)>; });
+  return bytes;
+}
+
 // Output columns [begin, end) of `part` (within it) for the M rows of x in xq.
 template <class F, typename T>
 void streaming_rows(const QuantizedRows& xq, const Part& part, int64_t begin, int64_t end, const float* bias, T* y,
@@ -813,7 +823,7 @@ void streaming_rows(const QuantizedRows& xq, const Part& part, int64_t begin, in
   const LanesDotRowsFn* table = words.data();
   if constexpr (kByteProducts<F>) {
     static constexpr auto bytes = make_lanes_table<F, true>(std::make_integer_sequence<int, kMaxPass>{});
-    if (!xq.bytes.empty()) table = bytes.data();
+    if (xq.byte_products) table = bytes.data();
   }
   constexpr int64_t kRun = 32;  // weight rows a call
   float out[kRun * kMaxPass];
@@ -982,8 +992,9 @@ struct DecodeBuffers {
 // x's rows as the tiles take them, in tiles of 16 rows (rows past M are zeros): for each tile and
 // chunk, the chunk's scales and sums by row, and its values as the products read them: `pairs`,
 // its 16 pairs of words in turn, each as the 16 rows' pairs (rows 0-7 a vector, 8-15 the next);
-// `quads` (x of 8 bits), its 8 quads of bytes in turn, each as the 16 rows' quads, with the
-// integer sum of each half of the chunk by row (what a weight's byte bias adds to the products).
+// `quads` (where x meets bytes: x.byte_products), its 8 quads of bytes in turn, each as the 16
+// rows' quads, with the integer sum of each half of the chunk by row (what a weight's byte bias
+// adds to the products).
 struct TiledX {
   int64_t tiles, chunks;
   std::vector<int16_t> pairs;      // [tile][chunk][pair][row][2], where asked for
@@ -991,12 +1002,13 @@ struct TiledX {
   std::vector<int32_t> half_sums;  // [tile][chunk][half][row], with the quads
   std::vector<float> scale, sum;   // [tile][chunk][row]
 
-  TiledX(const QuantizedRows& x, int64_t M, bool with_pairs, bool with_quads)
+  TiledX(const QuantizedRows& x, int64_t M, bool with_pairs)
       : tiles((M + 15) / 16), chunks(x.chunks), pairs(with_pairs ? tiles * chunks * 512 : 0),
-        quads(with_quads ? tiles * chunks * 512 : 0), half_sums(with_quads ? tiles * chunks * 32 : 0),
+        quads(x.byte_products ? tiles * chunks * 512 : 0), half_sums(x.byte_products ? tiles * chunks * 32 : 0),
         scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
+    const bool with_quads = x.byte_products;
     // Byte products are the K-quants' (kByteProducts), whose rows are whole groups.
-    TORCH_INTERNAL_ASSERT(!with_quads || (x.bits == 8 && chunks % 8 == 0), "quads of bytes need x in 8 bits, K in groups");
+    TORCH_INTERNAL_ASSERT(!with_quads || chunks % 8 == 0, "quads of bytes need K in groups");
     const int64_t grouped = x.chunks / 8 * 8;
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; m++) {
@@ -1326,15 +1338,10 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
   constexpr bool amx_x = false;
 #endif
   // Whether a part's tiles multiply bytes (else pairs of words).
-  const auto takes_bytes = [&](const Part& part) {
-    bool bytes = false;
-    with_lanes_format(part.type, [&](auto format) { bytes = kByteProducts<decltype(format)> && xq.bits == 8; });
-    return bytes;
-  };
+  const auto takes_bytes = [&](const Part& part) { return xq.byte_products && has_byte_products(part); };
   std::optional<TiledX> tiled_x;  // the vector tiles' x (not made where AMX tiles multiply)
   if (!amx_x)
-    tiled_x.emplace(xq, M, !std::all_of(parts.begin(), parts.end(), takes_bytes),
-                    std::any_of(parts.begin(), parts.end(), takes_bytes));
+    tiled_x.emplace(xq, M, !std::all_of(parts.begin(), parts.end(), takes_bytes));
   std::vector<std::pair<const Part*, int64_t>> blocks;  // each part's blocks of rows: (part, first row)
   for (const Part& part : parts)
     for (int64_t r = 0; r < part.rows; r += per_block) blocks.emplace_back(&part, r);
@@ -1359,7 +1366,7 @@ void tiled_linear(const QuantizedRows& xq, const std::vector<Part>& parts, const
         DecodedRows<F> w = buffers->rows<F>();
         const uint8_t* first = part->w + r0 * part->w_stride;
         if constexpr (kByteProducts<F>)
-          if (xq.bits == 8) {
+          if (xq.byte_products) {
             w.template decode<true>(first, part->w_stride, rows);
             return vector_block<F, true>(w, *part, r0, rows, *tiled_x, M, bias, y, N);
           }
@@ -1398,8 +1405,10 @@ at::Tensor linear_over_parts(const char* op, const at::Tensor& x, const std::vec
   }
   const float* b = b32.defined() ? b32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
+  // Decided once a call: whether x meets any part's weights as bytes, which both kernels read.
+  const bool byte_products = activation_bits == 8 && std::any_of(parts.begin(), parts.end(), has_byte_products);
   const auto run = [&](auto* x_rows, auto* y_rows) {
-    const QuantizedRows xq(x_rows, K, M, K, activation_bits, M <= max_streaming_rows);
+    const QuantizedRows xq(x_rows, K, M, K, activation_bits, byte_products, M <= max_streaming_rows);
     if (M > max_streaming_rows)
       tiled_linear(xq, parts, b, y_rows, M, N, K);
     else
