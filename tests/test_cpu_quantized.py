@@ -133,7 +133,7 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
 
 
 @pytest.mark.parametrize("qtype,in_features", [("Q4_1", 576), ("Q4_K", 768), ("Q6_K", 512)])
-def test_the_method_repacks_once_into_lanes(qtype, in_features):
+def test_the_method_repacks_into_lanes(qtype, in_features):
     with pytest.raises(RuntimeError, match="no lanes layout"):
         torch.ops.nanovllm_cpu.gguf_repack(random_blocks("Q8_0", 2, 256), 10, 256)
     blocks = random_blocks(qtype, 8, in_features)
@@ -142,7 +142,6 @@ def test_the_method_repacks_once_into_lanes(qtype, in_features):
     method.create_weights(layer, in_features, 8, bias=False)
     layer.weight.data.copy_(blocks)
     method.process_weights_after_loading(layer)
-    method.process_weights_after_loading(layer)  # a tied layer's turn: already repacked
     assert method.kernel_type == LANES_TYPE_BASE + BLOCK_TYPES[qtype]
     assert torch.equal(layer.weight, torch.ops.nanovllm_cpu.gguf_repack(blocks, BLOCK_TYPES[qtype], in_features))
     x = torch.randn(3, in_features)
@@ -182,14 +181,19 @@ def test_parts_of_differing_types_are_each_parts_product():
 
 
 def test_the_parts_method_loads_each_shard_in_its_own_type():
-    """gate in Q4_K, up in Q6_K: the layer's product is the two parts' own; a shard in another
-    type, or dense, is refused naming the shard."""
+    """gate in Q4_K, up in Q6_K: the layer is built with the parts method, and its product is the
+    two parts' own; a shard in another type, or dense, is refused naming the shard."""
     from nanovllm.distributed.parallel_state import SINGLE
     from nanovllm.layers.linear import MergedColumnParallelLinear
-    from nanovllm.layers.quantization.cpu_gguf import CPUGGUFPartsLinearMethod
-    layer = MergedColumnParallelLinear(256, [24, 40], tp_group=SINGLE)
-    method = CPUGGUFPartsLinearMethod({0: "Q4_K", 1: "Q6_K"}, torch.float32)
-    method.install(layer)
+    from nanovllm.layers.quantization.chooser import LinearMethodChooser
+    from nanovllm.platforms.cpu import CPUPlatform
+    platform = CPUPlatform(torch.device("cpu"), torch.float32, True, SINGLE)
+    chooser = LinearMethodChooser(platform, {"mlp.gate_proj.weight": "Q4_K", "mlp.up_proj.weight": "Q6_K"},
+                                  {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)})
+    layer = MergedColumnParallelLinear(256, [24, 40], tp_group=SINGLE, linear_methods=chooser, prefix="mlp.gate_up_proj")
+    method = layer.linear_method
+    assert type(method) is CPUGGUFPartsLinearMethod
+    assert chooser.kept_in_blocks == {"mlp.gate_proj.weight": "Q4_K", "mlp.up_proj.weight": "Q6_K"}
     gate, up = random_blocks("Q4_K", 24, 256, seed=1), random_blocks("Q6_K", 40, 256, seed=2)
     with pytest.raises(ValueError, match="expected Q6_K blocks for shard 1, got Q4_K"):
         layer.weight.weight_loader(layer.weight, QuantizedTensor(gate, "Q4_K", 256), 1)
@@ -217,9 +221,10 @@ def test_a_file_mixing_types_in_packed_layers_keeps_every_layer_in_blocks(tmp_pa
     model = blocks.llm_engine.executor.model
     methods = {name.split(".")[-1]: type(m.linear_method) for name, m in model.named_modules()
                if hasattr(m, "linear_method")}
-    assert methods == {"embed_tokens": CPUGGUFLinearMethod, "lm_head": CPUGGUFLinearMethod,
+    assert methods == {"embed_tokens": CPUGGUFLinearMethod,  # the LM head too: tied, the same module
                        "qkv_proj": CPUGGUFPartsLinearMethod, "o_proj": CPUGGUFLinearMethod,
                        "gate_up_proj": CPUGGUFPartsLinearMethod, "down_proj": CPUGGUFLinearMethod}
+    assert model.lm_head is model.model.embed_tokens
     qkv = model.model.layers[0].self_attn.qkv_proj.linear_method
     assert qkv.parts.tolist() == [[256 + 128, LANES_TYPE_BASE + BLOCK_TYPES["Q4_K"]],
                                   [128, LANES_TYPE_BASE + BLOCK_TYPES["Q6_K"]]]  # q and k: one run
@@ -259,8 +264,7 @@ def test_block_weights_lie_in_one_huge_page_arena(tmp_path):
     llm = LLM(path, dtype="float32", enforce_eager=True, num_kvcache_blocks=16, max_model_len=128)
     model = llm.llm_engine.executor.model
     weights = [m.weight for m in model.modules() if isinstance(getattr(m, "linear_method", None), CPUGGUFLinearMethod)]
-    assert len(weights) == 2 + 4 * shape.num_hidden_layers  # the embedding and the LM head tied
-    assert model.model.embed_tokens.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert len(weights) == 1 + 4 * shape.num_hidden_layers  # the embedding, which is the LM head (tied)
     starts = sorted({w.data_ptr() for w in weights})
     start, end, flags = mapping_of(starts[0])
     assert "hg" in flags and starts[0] % (2 << 20) == 0

@@ -21,7 +21,8 @@ from nanovllm.engine.structured_output import grammar_bitmask
 from nanovllm.engine.transfer import to_device
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import built_for
-from nanovllm.loader.weights import keep_in_blocks, load_weights
+from nanovllm.layers.quantization.chooser import LinearMethodChooser
+from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.platforms import get_platform
 from nanovllm.platforms.gpu_memory import warmup_batch
@@ -59,19 +60,20 @@ class ModelRunner:
         model_cls = get_model_class(config.hf_config)
         default_dtype = torch.get_default_dtype()
         with startup_phase("model and weights"):
+            linear_methods = LinearMethodChooser(self.platform, config.checkpoint.block_types(config.quantization),
+                                                 model_cls.packed_modules_mapping)
             torch.set_default_dtype(config.torch_dtype)
             try:
                 with torch.device(self.device), built_for(self.platform.choose_forward):
-                    model = model_cls(config.hf_config, self.tp_group)
+                    model = model_cls(config.hf_config, self.tp_group, linear_methods)
             finally:
                 torch.set_default_dtype(default_dtype)
-            block_types = config.checkpoint.block_types(config.quantization)
-            blocks = keep_in_blocks(model, block_types, self.platform.block_linear_method) if block_types else {}
-            load_weights(model, config.checkpoint.weights(config.torch_dtype, blocks))
-            for module in model.modules():
+            linear_methods.log_dequantized()
+            load_weights(model, config.checkpoint.weights(config.torch_dtype, linear_methods.kept_in_blocks))
+        with startup_phase("repack weights for the platform"):
+            for module in model.modules():  # each once: a tied head is its embedding module
                 if hasattr(module, "linear_method"):
                     module.linear_method.process_weights_after_loading(module)
-        with startup_phase("repack weights for the platform"):
             self.platform.prepare_model(model)
         return model.eval()
 

@@ -3,26 +3,34 @@
 Both hold one shard of the vocabulary rows per rank. The vocabulary is padded up to a
 multiple of the tensor parallel size so every rank's shard has the same size; padding rows
 are zero and their logits are trimmed before anyone sees them.
+
+How the table is stored, looked up and multiplied is the layer's linear method, chosen in the
+constructor as a linear layer's is. A model whose head is tied to its embedding uses the one
+embedding module for both (built with `computes_logits=True`, so that its method also multiplies
+well): one weight and one method, loaded and processed once.
 """
 
 import torch
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
-from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
+from nanovllm.layers.quantization import LinearMethod
+from nanovllm.layers.quantization.chooser import LinearMethodChooser, choose_linear_method
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup):
+    """`computes_logits`: the table is also the LM head's (tied), so `logits` runs on it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup,
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = "", computes_logits: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.vocab_size = vocab_size
         self.vocab_per_rank = -(-vocab_size // tp_group.world_size)  # ceil: the last shard carries padding
         self.vocab_start = tp_group.rank * self.vocab_per_rank
-        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        # How the table is stored and read (a weight format may keep it in blocks).
-        self.linear_method: LinearMethod = UnquantizedLinearMethod()
+        self.linear_method: LinearMethod = choose_linear_method(linear_methods, self, prefix, hidden_size,
+                                                                multiplies=computes_logits)
+        self.linear_method.create_weights(self, hidden_size, self.vocab_per_rank, bias=False)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
@@ -45,19 +53,20 @@ class VocabParallelEmbedding(nn.Module):
         y = y.masked_fill(foreign.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(y)
 
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """logits = hidden @ W^T over this rank's vocab shard, gathered on rank 0.
-
-    A tied head is built the same way and then given the embedding's weight parameter. The
-    weight is the embedding's, and so is its linear method (a kernel's method may repack it at
-    load time; a weight format may keep it in blocks).
-    """
-
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup):
-        super().__init__(vocab_size, hidden_size, tp_group=tp_group)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [n, hidden_size] -> fp32 logits [n, vocab_size] on rank 0, None elsewhere."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [n, hidden_size] -> fp32 logits hidden @ W^T [n, vocab_size] over every rank's
+        shard, gathered on rank 0; None elsewhere."""
         logits = self.tp_group.gather(self.linear_method.logits(self, hidden), dim=-1)
         return None if logits is None else logits[:, :self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An LM head of its own (untied): a table that only multiplies; calling it gives `logits`."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp_group: TPGroup,
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
+        super().__init__(vocab_size, hidden_size, tp_group=tp_group, linear_methods=linear_methods, prefix=prefix,
+                         computes_logits=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.logits(hidden)

@@ -10,16 +10,17 @@ projection (offset in the packed weight), then which rank (chunk of that project
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes
 the full (unsharded) checkpoint tensor and copies this rank's part, converting dtype.
 
-How the weight is stored and multiplied is the layer's `linear_method` (layers/quantization):
-the plain one at construction; the platform or a weight format may choose another at load
-time.
+How the weight is stored and multiplied is the layer's `linear_method` (layers/quantization),
+asked of the model's LinearMethodChooser in the constructor by the layer's prefix (its name in
+the model), and kept for the layer's life.
 """
 
 import torch
 from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
-from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
+from nanovllm.layers.quantization import LinearMethod
+from nanovllm.layers.quantization.chooser import LinearMethodChooser, choose_linear_method
 from nanovllm.loader.weights import default_weight_loader
 
 
@@ -43,19 +44,21 @@ def copy_chunk(dst: torch.Tensor, src: torch.Tensor, dim: int, index: int, num_c
     dst.copy_(src.narrow(dim, index * size, size))
 
 
-def _make_params(module: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+def _make_params(module: nn.Module, input_size: int, output_size: int, bias: bool,
+                 linear_methods: LinearMethodChooser | None, prefix: str) -> None:
     """Give `module` its linear method and, through it, weight [output_size, input_size] and an
     optional bias, wired to its weight_loader."""
-    module.linear_method: LinearMethod = UnquantizedLinearMethod()
+    module.linear_method: LinearMethod = choose_linear_method(linear_methods, module, prefix, input_size)
     module.linear_method.create_weights(module, input_size, output_size, bias)
 
 
 class ReplicatedLinear(nn.Module):
     """Every rank holds the whole weight."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
         super().__init__()
-        _make_params(self, input_size, output_size, bias)
+        _make_params(self, input_size, output_size, bias, linear_methods, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight, shard_id)
@@ -67,11 +70,12 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (the output dim) split across ranks; output stays sharded."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: TPGroup, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, *, tp_group: TPGroup, bias: bool = False,
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
         super().__init__()
         self.tp_group = tp_group
         self.output_size_per_rank = divide(output_size, tp_group.world_size, "output_size")
-        _make_params(self, input_size, self.output_size_per_rank, bias)
+        _make_params(self, input_size, self.output_size_per_rank, bias, linear_methods, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
@@ -89,9 +93,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     projection's index in `output_sizes`.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, tp_group: TPGroup, bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], *, tp_group: TPGroup, bias: bool = False,
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
         self.sizes_per_rank = [divide(s, tp_group.world_size, "output size") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), tp_group=tp_group, bias=bias)
+        super().__init__(input_size, sum(output_sizes), tp_group=tp_group, bias=bias, linear_methods=linear_methods,
+                         prefix=prefix)
 
     def output_slice(self, shard_id: object) -> tuple[int, int]:
         """(offset, size): the rows of this rank's packed weight that projection `shard_id` fills."""
@@ -113,7 +119,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 *, tp_group: TPGroup, bias: bool = False):
+                 *, tp_group: TPGroup, bias: bool = False, linear_methods: LinearMethodChooser | None = None,
+                 prefix: str = ""):
         tp = tp_group.world_size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp, "num_attention_heads")
@@ -128,7 +135,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim
         # The base class divides the output size by tp, so pass tp times the per-rank size:
         # with replicated KV heads the per-rank size is not the unsharded size / tp.
-        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, tp_group=tp_group, bias=bias)
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp, tp_group=tp_group, bias=bias,
+                         linear_methods=linear_methods, prefix=prefix)
 
     def output_slice(self, shard_id: object) -> tuple[int, int]:
         """(offset, size): the rows of this rank's packed weight that projection `shard_id` fills."""
@@ -150,10 +158,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (the input dim) split across ranks; input is sharded."""
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: TPGroup, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, *, tp_group: TPGroup, bias: bool = False,
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
         super().__init__()
         self.tp_group = tp_group
-        _make_params(self, divide(input_size, tp_group.world_size, "input_size"), output_size, bias)
+        _make_params(self, divide(input_size, tp_group.world_size, "input_size"), output_size, bias, linear_methods,
+                     prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias is not sharded

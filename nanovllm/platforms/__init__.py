@@ -1,8 +1,10 @@
 """What differs per device, behind one small interface the model runner asks, one platform a
 device (cpu.py, cuda.py): which forward each elementwise op is built with (`choose_forward`,
 given to layers/custom_op.py's `built_for` while the model is constructed), the attention
-backend (`attention_backend`), the sampler's loops over the vocabulary (`sampling_ops`), how to
-prepare a loaded model (repack weights), which weight formats it multiplies in their blocks, how
+backend (`attention_backend`), the sampler's loops over the vocabulary (`sampling_ops`), the
+linear methods layers are built with (`dense_linear_method`, and `block_linear_method` for the
+weight formats it multiplies in their blocks; layers/quantization/chooser.py asks), where a
+loaded model's weights lie (`prepare_model`), how
 much memory the KV cache gets and where it lives, whether steps replay CUDA graphs
 (`graph_runner`), and whether and how to compile. Layers and models never ask.
 """
@@ -15,7 +17,7 @@ from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
-from nanovllm.layers.quantization import LinearMethod
+from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.sampling_ops import SamplingOps
 
 
@@ -57,7 +59,11 @@ class Platform:
         return None
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Called once the weights are loaded."""
+        """Called once the weights are loaded and processed: where they lie in memory."""
+
+    def dense_linear_method(self) -> LinearMethod:
+        """The linear method of a layer that multiplies a dense weight (the plain one here)."""
+        return UnquantizedLinearMethod()
 
     def block_linear_method(self, shard_types: dict[object, str]) -> LinearMethod | None:
         """The linear method that multiplies a layer's weight kept in GGML block types, or None where

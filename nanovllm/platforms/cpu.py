@@ -2,7 +2,7 @@
 decoder layers, and memory settings for steps and the KV cache.
 
 In bf16 on a machine that runs the SIMD kernels (nanovllm/kernels/cpu.py), every dense linear
-layer and the LM head take the packed CPU method, and RMSNorm and the gated SiLU are built on the
+layer and the LM head are built with the packed CPU method, and RMSNorm and the gated SiLU are built on the
 elementwise kernels (their `forward_cpu`, rounding where the eager layers do); decoder layers of the
 Llama family then run as one kernel call a step (cpu_fused_layers) instead of compiled. Elsewhere
 the plain PyTorch layers run, compiled. The sampler's loops over the vocabulary run on the kernels
@@ -21,7 +21,6 @@ from torch import nn
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.custom_op import CustomOp
-from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.layers.sampling_ops import SamplingOps
@@ -69,6 +68,7 @@ class CPUPlatform(Platform):
         # enforce_eager is the exact reference; tensor parallelism runs eager (collectives
         # inside the graph are not worth a compile on CPU).
         self.compiled = not enforce_eager and tp_group.world_size == 1
+        self._packed_bf16: CPUPackedBF16LinearMethod | None = None
 
     @staticmethod
     def default_dtype() -> str:
@@ -95,13 +95,14 @@ class CPUPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> None:
         cpu_kernels.move_to_huge_pages([m.weight for m in model.modules()
                                         if getattr(getattr(m, "linear_method", None), "streams_weight", False)])
+
+    def dense_linear_method(self) -> LinearMethod:
         if not self._on_kernels():
-            return
-        # Every layer that multiplies a dense bf16 weight (an embedding alone only looks rows up).
-        linears = [m for m in model.modules() if type(getattr(m, "linear_method", None)) is UnquantizedLinearMethod
-                   and m.weight.dtype == torch.bfloat16
-                   and (not isinstance(m, VocabParallelEmbedding) or isinstance(m, ParallelLMHead))]
-        CPUPackedBF16LinearMethod.pack_all(linears)
+            return UnquantizedLinearMethod()
+        # One for the whole model: its layers' packed copies share one arena.
+        if self._packed_bf16 is None:
+            self._packed_bf16 = CPUPackedBF16LinearMethod()
+        return self._packed_bf16
 
     def block_linear_method(self, shard_types: dict[object, str]) -> LinearMethod | None:
         # Imported here: the block formats' tables come from gguf-py, which only block weights need.

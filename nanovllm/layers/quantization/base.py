@@ -13,7 +13,8 @@ class LinearMethod(ABC):
     `create_weights` gives the layer the parameters a checkpoint loads into (each wired to the
     layer's `weight_loader`); `process_weights_after_loading` may then repack them for a kernel;
     `apply` runs the product, and `embed` looks rows up where the weight is an embedding's.
-    Chosen once, at load time: no layer checks a device or a flag."""
+    Chosen once, when the layer is built (quantization/chooser.py): no layer checks a device or a
+    flag."""
 
     # Whether a step streams the whole loaded weight from memory (few rows of x against every
     # weight row), so that the platform should lay it where memory reads fastest.
@@ -36,3 +37,12 @@ class LinearMethod(ABC):
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight, for an embedding that stores its table through this method."""
         return F.embedding(ids, layer.weight)
+
+
+def create_bias(layer: nn.Module, output_size: int, bias: bool) -> None:
+    """The layer's dense bias parameter, wired to its weight loader, or None."""
+    if bias:
+        layer.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+        layer.bias.weight_loader = layer.weight_loader
+    else:
+        layer.register_parameter("bias", None)

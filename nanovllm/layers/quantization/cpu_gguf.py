@@ -20,7 +20,7 @@ stay in their own type, all in one byte tensor, multiplied in one call (gguf_lin
 import torch
 from torch import nn
 
-from nanovllm.layers.quantization.base import LinearMethod
+from nanovllm.layers.quantization.base import LinearMethod, create_bias
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
 # Rows of x up to which each weight row streams from its blocks once a call; above, blocks of rows
@@ -53,15 +53,10 @@ def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[t
 
 
 class _BlocksMethod(LinearMethod):
-    """What both block methods share: installed on a built layer in place of its dense weight (not
-    yet loaded), and the check of what a checkpoint hands the weight loader."""
+    """What both block methods share: the check of what a checkpoint hands the weight loader. A
+    layer's bias, when it has one, stays a dense parameter (create_bias)."""
 
     streams_weight = True  # a decode step reads every block
-
-    def install(self, layer: nn.Module) -> None:
-        output_size, input_size = layer.weight.shape
-        self.create_weights(layer, input_size, output_size, bias=False)
-        layer.linear_method = self
 
     @staticmethod
     def _blocks_of(loaded: QuantizedTensor, qtype: str, what: str = "") -> torch.Tensor:
@@ -74,17 +69,16 @@ class _BlocksMethod(LinearMethod):
 class CPUGGUFLinearMethod(_BlocksMethod):
     def __init__(self, qtype: str, dtype: torch.dtype):
         self.qtype = qtype
-        self.type_id = BLOCK_TYPES[qtype]
-        self.kernel_type = self.type_id  # the layout the blocks are in: the file's until repacked
+        self.kernel_type = BLOCK_TYPES[qtype]  # the layout the blocks are in: the file's until repacked
         self.dtype = dtype  # of activations, and of the rows an embedding looks up
         self.activation_bits = activation_bits([qtype])
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
-        """The blocks parameter (a bias, when there is one, stays the layer's dense parameter)."""
         self.in_features = input_size  # a repacked row's bytes may not say it
         blocks = torch.empty(output_size, row_bytes(self.qtype, input_size), dtype=torch.uint8)
         layer.weight = nn.Parameter(blocks, requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
+        create_bias(layer, output_size, bias)
 
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
@@ -92,9 +86,7 @@ class CPUGGUFLinearMethod(_BlocksMethod):
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        # A tied embedding and LM head share this method and their weight: repacked once.
-        if self.kernel_type == self.type_id:
-            layer.weight.data, self.kernel_type = kernel_blocks(layer.weight.data, self.qtype, self.in_features)
+        layer.weight.data, self.kernel_type = kernel_blocks(layer.weight.data, self.qtype, self.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_linear(x, layer.weight, self.kernel_type, bias, MAX_STREAMING_ROWS,
@@ -142,6 +134,7 @@ class CPUGGUFPartsLinearMethod(_BlocksMethod):
         widest = max(row_bytes(qtype, self.in_features) for qtype in self.shard_types.values())
         layer.weight = nn.Parameter(torch.empty(self.out_features, widest, dtype=torch.uint8), requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
+        create_bias(layer, output_size, bias)
 
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:

@@ -3,8 +3,10 @@
 once at memory bandwidth, and oneDNN's own blocked layout, which saves oneDNN reordering the
 weight on every larger step. The `linear` op picks between them by row count.
 
-The copies cost twice the weights' size in RAM. `pack_all` packs every layer of a model into
-one arena in transparent huge pages (hardware prefetchers stop at page boundaries)."""
+The copies cost twice the weights' size in RAM. One method object serves every layer of a model
+(the platform makes it once): it sizes one arena for all their packed copies as the layers are
+built, in transparent huge pages (hardware prefetchers stop at page boundaries), and fills each
+layer's part of it once the layer is loaded."""
 
 import math
 
@@ -18,6 +20,26 @@ from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
 class CPUPackedBF16LinearMethod(UnquantizedLinearMethod):
     def __init__(self):
         self.max_packed_rows = cpu_kernels.packed_max_rows()  # a constant to the compiled graphs
+        self.arena_elements = 0  # every layer built with this method: the arena's size
+        self.arena: torch.Tensor | None = None  # mapped at the first layer's turn, once all are built
+        self.arena_filled = 0
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
+        super().create_weights(layer, input_size, output_size, bias)
+        self.arena_elements += math.prod(cpu_kernels.packed_shape(layer.weight))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The layer's packed copies: panels in its part of the arena, and oneDNN's."""
+        if self.arena is None:
+            self.arena = cpu_kernels.empty_mapped((self.arena_elements,), torch.bfloat16, huge_pages=True)
+        shape = cpu_kernels.packed_shape(layer.weight)
+        size = math.prod(shape)
+        part = self.arena[self.arena_filled:self.arena_filled + size].view(shape)
+        self.arena_filled += size
+        layer.register_buffer("packed_weight", cpu_kernels.pack_linear_weight(layer.weight, out=part),
+                              persistent=False)
+        onednn = cpu_kernels.onednn_pack(layer.weight, owner=layer) if torch.backends.mkldnn.is_available() else None
+        layer.register_buffer("onednn_weight", onednn, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.linear(x, layer.weight, layer.packed_weight, bias, self.max_packed_rows,
@@ -28,21 +50,3 @@ class CPUPackedBF16LinearMethod(UnquantizedLinearMethod):
         kind (-1: this method), weight tensors, the rows up to which the packed kernel runs and
         activation bits (0: x stays bf16)."""
         return -1, [layer.weight, layer.packed_weight, layer.onednn_weight], self.max_packed_rows, 0
-
-    @classmethod
-    def pack_all(cls, layers: list[nn.Module]) -> None:
-        """Give each loaded bf16 CPU layer its packed copies and this method."""
-        if not layers:
-            return
-        shapes = [cpu_kernels.packed_shape(layer.weight) for layer in layers]
-        arena = cpu_kernels.empty_mapped((sum(math.prod(s) for s in shapes),), torch.bfloat16, huge_pages=True)
-        with_onednn = torch.backends.mkldnn.is_available()
-        method, offset = cls(), 0
-        for layer, shape in zip(layers, shapes):
-            size = math.prod(shape)
-            packed = cpu_kernels.pack_linear_weight(layer.weight, out=arena[offset:offset + size].view(shape))
-            offset += size
-            layer.register_buffer("packed_weight", packed, persistent=False)
-            onednn = cpu_kernels.onednn_pack(layer.weight, owner=layer) if with_onednn else None
-            layer.register_buffer("onednn_weight", onednn, persistent=False)
-            layer.linear_method = method
