@@ -22,7 +22,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.custom_op import CustomOp
-from nanovllm.platforms.cpu_compile import LayerGroup
+from nanovllm.platforms.cpu_compile import CompiledDecoderLayers
 from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers, unfusable_reason
 
 pytestmark = requires_default_model
@@ -110,18 +110,17 @@ def test_layers_round_like_eager(engines):
     with torch.inference_mode(), forward_context(runner.backend, runner.backend.prepare(layout)):
         hidden = model.embed_tokens(torch.tensor(prompt))
         residual = torch.zeros_like(hidden)
-        assert ([type(layer) for layer in model.layers] == [FusedDecoderLayers] if fused
-                else all(isinstance(layer, LayerGroup) for layer in model.layers))
+        assert type(model.layers.runner) is (FusedDecoderLayers if fused else CompiledDecoderLayers)
         if fused:  # ... on the elementwise kernels, in both modes
             for engine in engines.values():
                 ops = [m for m in engine.llm_engine.executor.model.modules() if isinstance(m, CustomOp)]
                 assert ops and all(op.forward_name == "forward_cpu" for op in ops)
-        # Fused: each eager layer against itself as a run of one fused layer.
-        for layer in (model.layers[0].layers if fused else model.layers):
-            if fused:
-                eager, out = layer(positions, hidden, residual), FusedDecoderLayers([layer])(positions, hidden, residual)
-            else:
-                eager, out = type(layer).forward(layer, positions, hidden, residual), layer(positions, hidden, residual)
+        # Fused: each eager layer against itself as a run of one fused layer; compiled: each group
+        # of layers eager against its compiled call.
+        steps = ([(layer, FusedDecoderLayers([layer])) for layer in model.layers] if fused
+                 else list(zip(model.layers.runner.groups, model.layers.runner.calls)))
+        for eager_call, call in steps:
+            eager, out = eager_call(positions, hidden, residual), call(positions, hidden, residual)
             for e, c in zip(eager, out):
                 ulp = 0.0 if fused else 2.0 ** (torch.frexp(e.float().abs().max()).exponent.item() - 8)
                 assert (e.float() - c.float()).abs().max().item() <= ulp
@@ -148,29 +147,22 @@ def test_what_keeps_the_layers_from_the_fused_path_is_named(engines):
     the start-up logs."""
     if not cpu_kernels.has_simd_kernels():
         pytest.skip("no SIMD kernels: nothing is fused")
-    decoder = engines["eager"].llm_engine.executor.model.model
-    assert unfusable_reason(decoder) is None
-    layers = list(decoder.layers)
+    layers = list(engines["eager"].llm_engine.executor.model.model.layers)
+    assert unfusable_reason(layers) is None
     eps = layers[1].input_layernorm.eps
     try:
         layers[1].input_layernorm.eps = eps * 2
-        assert unfusable_reason(decoder) == "layer 1: its norms differ in eps"
+        assert unfusable_reason(layers) == "layer 1: its norms differ in eps"
         layers[1].post_attention_layernorm.eps = layers[1].input_layernorm.eps
         if layers[1].self_attn.qk_norm:
             layers[1].self_attn.q_norm.eps = layers[1].self_attn.k_norm.eps = layers[1].input_layernorm.eps
-        assert unfusable_reason(decoder) == ("the layers differ in norm eps or attention scale "
+        assert unfusable_reason(layers) == ("the layers differ in norm eps or attention scale "
                                              "(the call takes one of each)")
     finally:
         for norm in (layers[1].input_layernorm, layers[1].post_attention_layernorm,
                      getattr(layers[1].self_attn, "q_norm", None), getattr(layers[1].self_attn, "k_norm", None)):
             if norm is not None:
                 norm.eps = eps
-    assert unfusable_reason(decoder) is None
-    other_kind = unfusable_reason(_holding([torch.nn.Identity()]))
+    assert unfusable_reason(layers) is None
+    other_kind = unfusable_reason([torch.nn.Identity()])
     assert other_kind == "layer 0: Identity is not a Llama-family layer, the only kind the kernel runs"
-
-
-def _holding(layers: list[torch.nn.Module]) -> torch.nn.Module:
-    decoder = torch.nn.Module()
-    decoder.layers = torch.nn.ModuleList(layers)
-    return decoder

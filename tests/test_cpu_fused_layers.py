@@ -10,7 +10,7 @@ from conftest import make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
-from nanovllm.platforms.cpu_compile import LayerGroup
+from nanovllm.platforms.cpu_compile import CompiledDecoderLayers
 from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.has_simd_kernels(), reason="needs the avx2 or avx512 CPU kernels")
@@ -20,8 +20,9 @@ PROMPTS = [list(range(3, 40)), list(range(100, 105)), [7] * 21 + list(range(200,
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 
 
-def _layers(llm: LLM):
-    return list(llm.llm_engine.executor.model.model.layers)
+def _runner(llm: LLM):
+    """What runs the model's decoder layers (None: in turn)."""
+    return llm.llm_engine.executor.model.model.layers.runner
 
 
 def _greedy(llm: LLM):
@@ -37,8 +38,7 @@ def test_fused_steps_equal_eager(tmp_path, arch, extra, quantization):
     path = make_tiny_checkpoint(tmp_path, arch, **extra)
     settings = dict(dtype="bfloat16", num_kvcache_blocks=32, max_num_batched_tokens=48, quantization=quantization)
     fused, eager = LLM(str(path), **settings), LLM(str(path), enforce_eager=True, **settings)
-    assert [type(layer) for layer in _layers(fused)] == [FusedDecoderLayers]
-    assert not any(isinstance(layer, FusedDecoderLayers) for layer in _layers(eager))
+    assert type(_runner(fused)) is FusedDecoderLayers and _runner(eager) is None
     assert _greedy(fused) == _greedy(eager)
 
 
@@ -58,8 +58,9 @@ def test_fused_layers_return_the_eager_layers_output(tmp_path):
             hidden = model.embed_tokens(torch.arange(start + 5, start + 5 + n))
             residual = torch.zeros_like(hidden)
             first = hidden, residual
-            (stack,) = model.layers
-            for layer in stack.layers:
+            stack = model.layers
+            assert type(stack.runner) is FusedDecoderLayers
+            for layer in stack:
                 expected = layer(positions, hidden, residual)
                 got = FusedDecoderLayers([layer])(positions, hidden, residual)
                 assert all(torch.equal(e, g) for e, g in zip(expected, got))
@@ -70,4 +71,4 @@ def test_fused_layers_return_the_eager_layers_output(tmp_path):
 
 def test_fp32_layers_stay_compiled(tmp_path):
     llm = LLM(str(make_tiny_checkpoint(tmp_path, "Qwen3ForCausalLM")), dtype="float32", num_kvcache_blocks=16)
-    assert all(isinstance(layer, LayerGroup) for layer in _layers(llm))
+    assert type(_runner(llm)) is CompiledDecoderLayers

@@ -1,13 +1,14 @@
-"""What the platform decides when the model is built: an elementwise op's forward (chosen once, at
-construction; an engine's model keeps the classes it was built as, nothing is swapped after load)
-and the attention backend (which NANOVLLM_ATTENTION_BACKEND overrides)."""
+"""What the platform decides when the model is built: an elementwise op's forward and what runs the
+decoder layers (chosen once, at construction; an engine's model stays as it was built, nothing
+is swapped after load) and the attention backend (which NANOVLLM_ATTENTION_BACKEND overrides)."""
 
 import pytest
 import torch
 
 from nanovllm import LLM
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.custom_op import CustomOp, built_for
+from nanovllm.layers.build_context import built_for
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.models.registry import get_model_class
 
@@ -27,29 +28,66 @@ class Which(CustomOp):
         return "cpu"
 
 
-def test_the_platform_in_force_at_construction_chooses_and_the_choice_stays():
-    calls = []
+class ChoosesCPU:
+    """A platform as far as ops ask: the CPU forward, recording which ops asked."""
 
-    def choose(op):
-        calls.append(type(op))
+    def __init__(self):
+        self.asked = []
+
+    def choose_forward(self, op):
+        self.asked.append(type(op))
         return op.forward_cpu
 
-    with built_for(choose):
+
+def test_the_platform_in_force_at_construction_chooses_and_the_choice_stays():
+    platform = ChoosesCPU()
+    with built_for(platform):
         op, norm = Which(), RMSNorm(8)
     after = Which()  # the choice ends with the block
-    assert calls == [Which, RMSNorm] and norm.forward_name == "forward_cpu"
+    assert platform.asked == [Which, RMSNorm] and norm.forward_name == "forward_cpu"
     assert (op(), after()) == ("cpu", "native") and Which().forward_cuda() == "native"  # no kernel: native
 
 
-def test_an_engine_model_keeps_the_classes_it_was_built_as(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32", num_kvcache_blocks=16, enforce_eager=True)
-    runner = llm.llm_engine.executor
-    built = {name: type(m) for name, m in
-             get_model_class(runner.config.hf_config)(runner.config.hf_config, runner.tp_group).named_modules()}
-    model = runner.model
-    assert {name: type(m) for name, m in model.named_modules()} == built
+def built_state(model: torch.nn.Module) -> dict[str, tuple]:
+    """Each module's class, linear method (the object), chosen forward, decoder runner and
+    parameter names."""
+    return {name: (type(m), getattr(m, "linear_method", None), getattr(m, "forward_name", None),
+                   getattr(m, "runner", None), tuple(n for n, _ in m.named_parameters(recurse=False)))
+            for name, m in model.named_modules()}
+
+
+ENGINES = {"eager": dict(dtype="float32", enforce_eager=True), "compiled": dict(dtype="float32"),
+           "bf16": dict(dtype="bfloat16"), "q8_0": dict(dtype="bfloat16", quantization="q8_0")}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_engine_model_stays_as_it_was_built(tiny_checkpoint, monkeypatch, engine):
+    """On every path the platform chooses (eager, compiled, fused on the kernels, in blocks): after
+    loading, repacking, compiling and warming up, every module is the class it was built as, with
+    the linear method, forward and decoder runner it was built with, and no forward of its own."""
+    from nanovllm.engine import model_runner
+
+    built = {}
+
+    def recording(hf_config):
+        cls = get_model_class(hf_config)
+
+        class Recorded(cls):
+            def __init__(self, *args):
+                super().__init__(*args)
+                built.update(built_state(self))
+        return Recorded
+
+    monkeypatch.setattr(model_runner, "get_model_class", recording)
+    llm = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), num_kvcache_blocks=16, **ENGINES[engine])
+    model = llm.llm_engine.executor.model
+    assert built and built_state(model) == built
+    assert not [name for name, m in model.named_modules() if "forward" in vars(m)]
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
-    assert ops and all(op.forward_name == runner.platform.choose_forward(op).__name__ for op in ops)
+    platform = llm.llm_engine.executor.platform
+    assert ops and all(op.forward_name == platform.choose_forward(op).__name__ for op in ops)
+    runner = model.model.layers.runner
+    assert (runner is None) == (engine == "eager")
 
 
 def test_the_platform_chooses_the_attention_backend_and_the_environment_overrides_it(tiny_checkpoint, monkeypatch):

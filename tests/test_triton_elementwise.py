@@ -19,7 +19,8 @@ from nanovllm.layers.activation import SiluAndMul  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.rotary_embedding import get_rope  # noqa: E402
 from nanovllm.models.registry import get_model_class  # noqa: E402
-from nanovllm.layers.custom_op import CustomOp, built_for  # noqa: E402
+from nanovllm.layers.build_context import built_for  # noqa: E402
+from nanovllm.layers.custom_op import CustomOp  # noqa: E402
 from nanovllm.platforms.cuda import CUDAPlatform  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,7 +86,7 @@ def test_a_model_built_for_cuda_gives_the_native_logits():
     native = get_model_class(config)(config, SINGLE).to(DEVICE).eval()
     for p in native.parameters():
         p.data.normal_(0, 0.2)
-    with built_for(CUDAPlatform(torch.device(DEVICE), torch.float32, True, SINGLE).choose_forward):
+    with built_for(CUDAPlatform(torch.device(DEVICE), torch.float32, True, SINGLE)):
         on_triton = get_model_class(config)(config, SINGLE).to(DEVICE).eval()
     on_triton.load_state_dict(native.state_dict())
     ops = [m for m in on_triton.modules() if isinstance(m, CustomOp)]

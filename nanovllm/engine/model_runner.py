@@ -20,7 +20,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.structured_output import grammar_bitmask
 from nanovllm.engine.transfer import to_device
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.custom_op import built_for
+from nanovllm.layers.build_context import built_for
 from nanovllm.layers.quantization.chooser import LinearMethodChooser
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
@@ -64,7 +64,7 @@ class ModelRunner:
                                                  model_cls.packed_modules_mapping)
             torch.set_default_dtype(config.torch_dtype)
             try:
-                with torch.device(self.device), built_for(self.platform.choose_forward):
+                with torch.device(self.device), built_for(self.platform):
                     model = model_cls(config.hf_config, self.tp_group, linear_methods)
             finally:
                 torch.set_default_dtype(default_dtype)

@@ -1,30 +1,16 @@
 """Modules with a forward per platform (vLLM's CustomOp shape): each elementwise op states its
 plain PyTorch forward (`forward_native`) and, where a platform has kernels for it, that
 platform's (`forward_cpu`, `forward_cuda`); which one runs is decided once, when the module is
-built, by the platform the model is built for (`built_for`). Nothing is swapped after load: a
-module keeps its class, and its forward is the one it was built with.
+built, by the platform the model is built for (layers/build_context.py's `built_for`: its
+`choose_forward`). Nothing is swapped after load: a module keeps its class, and its forward is
+the one it was built with.
 
 Outside `built_for` (a layer made in a test, a tool) modules run `forward_native`.
 """
 
-import contextlib
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
-
 from torch import nn
 
-# The chooser of the platform a model is being built for: given an op, the bound forward it runs.
-_choose_forward: ContextVar[Callable[["CustomOp"], Callable] | None] = ContextVar("choose_forward", default=None)
-
-
-@contextlib.contextmanager
-def built_for(choose_forward: Callable[["CustomOp"], Callable]) -> Iterator[None]:
-    """Build modules in this block with the forwards `choose_forward` picks (a platform's)."""
-    token = _choose_forward.set(choose_forward)
-    try:
-        yield
-    finally:
-        _choose_forward.reset(token)
+from nanovllm.layers.build_context import platform_being_built_for
 
 
 class CustomOp(nn.Module):
@@ -32,8 +18,8 @@ class CustomOp(nn.Module):
 
     def __init__(self):
         super().__init__()
-        choose = _choose_forward.get()
-        self._forward = self.forward_native if choose is None else choose(self)
+        platform = platform_being_built_for()
+        self._forward = self.forward_native if platform is None else platform.choose_forward(self)
 
     def forward(self, *args, **kwargs):
         return self._forward(*args, **kwargs)

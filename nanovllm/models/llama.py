@@ -15,6 +15,7 @@ from torch import nn
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.decoder_layers import DecoderLayers
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide
@@ -103,7 +104,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp_group,
                                                    linear_methods=linear_methods, prefix=f"{prefix}.embed_tokens",
                                                    computes_logits=config.tie_word_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, rotary_emb, tp_group, linear_methods,
+        self.layers = DecoderLayers(LlamaDecoderLayer(config, variant, rotary_emb, tp_group, linear_methods,
                                                       f"{prefix}.layers.{i}")
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -112,11 +113,7 @@ class LlamaModel(nn.Module):
         # The residual stream starts at zero (x + 0 is exactly x), so that every layer runs the
         # same code: one compiled graph serves them all.
         hidden = self.embed_tokens(input_ids)
-        residual = torch.zeros_like(hidden)
-        # Each entry is called as layer(positions, hidden, residual) -> (hidden, residual); a
-        # platform may replace runs of layers by one module that calls them in turn.
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        hidden, residual = self.layers(positions, hidden, torch.zeros_like(hidden))
         return self.norm(hidden, residual)[0]
 
 

@@ -1,12 +1,14 @@
 """What differs per device, behind one small interface the model runner asks, one platform a
-device (cpu.py, cuda.py): which forward each elementwise op is built with (`choose_forward`,
-given to layers/custom_op.py's `built_for` while the model is constructed), the attention
-backend (`attention_backend`), the sampler's loops over the vocabulary (`sampling_ops`), the
-linear methods layers are built with (`dense_linear_method`, and `block_linear_method` for the
-weight formats it multiplies in their blocks; layers/quantization/chooser.py asks), where a
-loaded model's weights lie (`prepare_model`), how
-much memory the KV cache gets and where it lives, whether steps replay CUDA graphs
-(`graph_runner`), and whether and how to compile. Layers and models never ask.
+device (cpu.py, cuda.py). While the model is constructed the platform is in force
+(layers/build_context.py's `built_for`) and says which forward each elementwise op is built with
+(`choose_forward`) and what runs the decoder layers (`layer_runner`: on CPU one fused kernel
+call or compiled groups); the layers' LinearMethodChooser asks it for their linear methods
+(`dense_linear_method`, and `block_linear_method` for the weight formats it multiplies in their
+blocks). It also says the attention backend (`attention_backend`), the sampler's loops over the
+vocabulary (`sampling_ops`), where a loaded model's weights lie (`prepare_model`), how much
+memory the KV cache gets and where it lives, whether steps replay CUDA graphs (`graph_runner`),
+and what to compile or warm up before the first request (`compile`). Modules decide from it only
+while they are built; nothing asks it per step.
 """
 
 import os
@@ -40,6 +42,12 @@ class Platform:
     def choose_forward(self, op: CustomOp) -> Callable:
         """The forward an elementwise op built for this platform runs (its native one here)."""
         return op.forward_native
+
+    def layer_runner(self, layers: list[nn.Module]) -> Callable | None:
+        """What runs a decoder stack built of `layers` (layers/decoder_layers.py), asked as the
+        stack is built: a callable (positions, hidden, residual) -> (hidden, residual), or None
+        to call the layers in turn (here)."""
+        return None
 
     def sampling_ops(self) -> SamplingOps:
         """The sampler's loops over [rows, vocab] logits (portable here)."""

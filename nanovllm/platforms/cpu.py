@@ -25,7 +25,7 @@ from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
 from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.platforms import Platform
-from nanovllm.platforms.cpu_fused_layers import fuse_decoder_layers, unfusable_reason
+from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers, unfusable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class CPUPlatform(Platform):
         # inside the graph are not worth a compile on CPU).
         self.compiled = not enforce_eager and tp_group.world_size == 1
         self._packed_bf16: CPUPackedBF16LinearMethod | None = None
+        self.layer_path = "ran the decoder layers in turn"  # what layer_runner chose, for the log
 
     @staticmethod
     def default_dtype() -> str:
@@ -121,31 +122,36 @@ class CPUPlatform(Platform):
         # first token and decoded no faster (figures in benchmarks/RESULTS.md).
         return cpu_kernels.empty_mapped(shape, dtype, huge_pages=False)
 
+    def layer_runner(self, layers: list[nn.Module]) -> Callable | None:
+        """The decoder layers fused where every part runs on the kernels (see cpu_fused_layers),
+        else compiled in groups (see cpu_compile); eager (None) under enforce_eager or tensor
+        parallelism."""
+        if not self.compiled:
+            return None
+        # Which path runs and why, in the start-up's log line: never a silent fallback.
+        reason = unfusable_reason(layers) if self._on_kernels() else "the model is not on the bf16 kernels"
+        if reason is None:
+            self.layer_path = "fused the decoder layers (one kernel call a step)"
+            return FusedDecoderLayers(layers)
+        # Imported here: it imports Inductor and Dynamo, about a second a start that fused
+        # layers do without.
+        from nanovllm.platforms.cpu_compile import CompiledDecoderLayers
+
+        self.layer_path = f"compiled (or loaded) the decoder layers (not fused: {reason})"
+        return CompiledDecoderLayers(layers)
+
     def compile(self, model: nn.Module, warmup: Callable[[], None]) -> float:
-        """Fuse the decoder layers where every part runs on the kernels (see cpu_fused_layers),
-        else compile them (see cpu_compile) now rather than in the first request: `warmup` runs
-        a step's kind of inputs through them (which compiles them, or loads the graphs a
-        previous start saved), and steps then call the compiled code directly."""
+        """Compile (or load) the layers' graphs now rather than in the first request: `warmup`
+        runs a step's kind of inputs through them, and steps then call the compiled code
+        directly."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
-        # Which path runs and why, in the start-up's log line: never a silent fallback.
-        reason = unfusable_reason(model.model) if self._on_kernels() else "the model is not on the bf16 kernels"
-        if reason is None:
-            fuse_decoder_layers(model.model)
-            done = "fused the decoder layers (one kernel call a step)"
-        else:
-            # Imported here: it imports Inductor and Dynamo, about a second a start that
-            # fused layers do without.
-            from nanovllm.platforms.cpu_compile import compile_decoder_layers
-
-            # Earlier engines' garbage is collected now rather than mid-trace, where a finalizer
-            # that changes global state (a tensor-parallel executor's restores the thread count)
-            # makes Dynamo abort the trace; fused layers trace nothing.
-            gc.collect()
-            compile_decoder_layers(model.model)
-            done = f"compiled (or loaded) the decoder layers (not fused: {reason})"
+        # Earlier engines' garbage is collected now rather than mid-trace, where a finalizer that
+        # changes global state (a tensor-parallel executor's restores the thread count) makes
+        # Dynamo abort the trace; fused layers trace nothing.
+        gc.collect()
         warmup()
         seconds = time.perf_counter() - start
-        logger.info("%s for CPU in %.1f s", done, seconds)
+        logger.info("%s for CPU in %.1f s", self.layer_path, seconds)
         return seconds

@@ -17,7 +17,6 @@ import hashlib
 import logging
 import os
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from nanovllm.cache_paths import user_cache_dir
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
+from nanovllm.layers.decoder_layers import run_in_turn
 from nanovllm.platforms.inductor_rounding import UnfuseReducedPrecisionAddmm
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,12 @@ MAX_SAVED_GRAPHS = 32
 _compiled: dict[str, Callable] = {}
 
 
-def compile_with_dynamic_tokens(module: nn.Module) -> None:
-    """Replace `module`'s forward by its compiled graph, with the leading (token) dim of its
-    tensor arguments dynamic and everything else static except the KV cache's size. The graph
-    is made at the first call, for that call's kind of arguments (or loaded from the cache
-    directory, where it is then saved), and serves every later call of that kind.
+def compile_with_dynamic_tokens(module: nn.Module) -> Callable:
+    """`module` called through its compiled graph: a function of the module's call's arguments,
+    with the leading (token) dim of its tensor arguments dynamic and everything else static except
+    the KV cache's size. The graph is made at the first call, for that call's kind of arguments
+    (or loaded from the cache directory, where it is then saved), and serves every later call of
+    that kind.
 
     The token dim is marked unbacked, a size the compiler may not specialise on (not even 1,
     which it otherwise gives a graph of its own), so one graph serves every step; static
@@ -66,13 +67,15 @@ def compile_with_dynamic_tokens(module: nn.Module) -> None:
     turn a near-tied greedy token the other way. With it, and with matmuls rounded before the
     residual add as eager rounds them (see inductor_rounding), a layer's output equals eager's
     up to the order of the norm's sum (see test_compiled_layers_round_like_eager)."""
+    compiled: Callable | None = None
 
-    def first_call(*args):
-        compiled = compiled_forward(module, args)
-        module.forward = types.MethodType(compiled, module)
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = compiled_forward(module, args)
         return compiled(module, *args)
 
-    module.forward = first_call
+    return call
 
 
 def compiled_forward(module: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable:
@@ -188,30 +191,32 @@ def prune_saved_graphs(directory: Path, keep: int = MAX_SAVED_GRAPHS) -> None:
 
 class LayerGroup(nn.Module):
     """Consecutive decoder layers as one call, (positions, hidden, residual) -> (hidden, residual):
-    the unit compiled on CPU."""
+    the unit compiled on CPU. It only holds the model's layers for the compiler: it is not part of
+    the model."""
 
     def __init__(self, layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor):
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return hidden, residual
+        return run_in_turn(self.layers, positions, hidden, residual)
 
 
-def compile_decoder_layers(decoder: nn.Module) -> None:
-    """Replace `decoder.layers` (called in turn as layer(positions, hidden, residual)) by
-    compiled groups of LAYERS_PER_GRAPH of them, which the decoder calls the same way.
+class CompiledDecoderLayers:
+    """Runs decoder layers (called in turn as layer(positions, hidden, residual)) as compiled
+    groups of LAYERS_PER_GRAPH of them, compiled (or loaded) at the first call.
 
     Groups of layers, not the whole model: every group of the same kind shares one compiled
     graph (parameters and cache are its inputs), so a model's layers compile once (a last,
     shorter group, or layers of another weight type, add a graph); the whole model as one graph
     compiles many times longer. Attention is one opaque op and the linear op picks its kernel by
-    row count at run time, so one graph serves prefill, decode and mixed steps alike. Weights
-    are loaded by then: the groups' parameter names no longer matter."""
-    layers = list(decoder.layers)
-    groups = [LayerGroup(layers[i:i + LAYERS_PER_GRAPH]) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
-    for group in groups:
-        compile_with_dynamic_tokens(group)
-    decoder.layers = nn.ModuleList(groups)
+    row count at run time, so one graph serves prefill, decode and mixed steps alike."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.groups = [LayerGroup(layers[i:i + LAYERS_PER_GRAPH]) for i in range(0, len(layers), LAYERS_PER_GRAPH)]
+        self.calls = [compile_with_dynamic_tokens(group) for group in self.groups]
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor):
+        for call in self.calls:
+            hidden, residual = call(positions, hidden, residual)
+        return hidden, residual

@@ -10,6 +10,10 @@ its roundings, so its output is the eager layers' bit for bit; what it saves is 
 them. A compiled layer still pays Python for every kernel call in its wrapper and for the call
 into the graph, a large share of a single-sequence decode step (benchmarks/RESULTS.md); the
 fused layers pay one call a step.
+
+The platform makes the runner when the model's decoder stack is built (layers/decoder_layers.py),
+from what is known then (linear methods, dtypes, tensor parallelism); the call's weights are
+gathered at its first call, once they are loaded and repacked.
 """
 
 import torch
@@ -17,13 +21,13 @@ from torch import nn
 
 from nanovllm.attention.base import get_forward_context
 from nanovllm.attention.cpu import CPUBackend
+from nanovllm.layers.decoder_layers import run_in_turn
 from nanovllm.models.llama import LlamaDecoderLayer
 
 
-def unfusable_reason(decoder: nn.Module) -> str | None:
-    """Why `decoder.layers` cannot run as one kernel call, or None where they can. The caller
-    knows whether the model is on the elementwise kernels in bf16."""
-    layers = list(decoder.layers)
+def unfusable_reason(layers: list[nn.Module]) -> str | None:
+    """Why `layers` (as built, before loading) cannot run as one kernel call, or None where they
+    can. The caller knows whether the model is on the elementwise kernels in bf16."""
     if not layers:
         return "the model has no decoder layers"
     for i, layer in enumerate(layers):
@@ -57,11 +61,6 @@ def _layer_reason(layer: nn.Module) -> str | None:
     return None
 
 
-def fuse_decoder_layers(decoder: nn.Module) -> None:
-    """Replace `decoder.layers` by one FusedDecoderLayers (only where unfusable_reason is None)."""
-    decoder.layers = nn.ModuleList([FusedDecoderLayers(list(decoder.layers))])
-
-
 def kernel_args(layer: LlamaDecoderLayer) -> tuple[list, list[int]]:
     """A layer's share of the call's weights and settings, in the layout decoder_layer.cpp names."""
     attn = layer.self_attn
@@ -78,27 +77,27 @@ def kernel_args(layer: LlamaDecoderLayer) -> tuple[list, list[int]]:
     return weights, [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, *kinds, *max_rows, *bits]
 
 
-class FusedDecoderLayers(nn.Module):
-    """A run of LlamaDecoderLayers called as one kernel; the layers themselves (their parameters,
-    their cache bindings) stay submodules and run in turn on any other attention backend."""
+class FusedDecoderLayers:
+    """Runs LlamaDecoderLayers (only where unfusable_reason is None) as one kernel call; on any
+    other attention backend the layers run in turn."""
 
     def __init__(self, layers: list[LlamaDecoderLayer]):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.weights, self.settings = [], []
-        for layer in layers:
-            weights, settings = kernel_args(layer)
-            self.weights += weights
-            self.settings += settings
+        self.layers = layers
+        self.weights: list | None = None  # gathered at the first call: loaded and repacked by then
+        self.settings: list[int] = []
         self.attentions = [layer.self_attn.attn for layer in layers]
         self.eps = layers[0].input_layernorm.eps
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor):
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor):
         ctx = get_forward_context()
         if type(ctx.backend) is not CPUBackend:
+            return run_in_turn(self.layers, positions, hidden, residual)
+        if self.weights is None:
+            self.weights = []
             for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual)
-            return hidden, residual
+                weights, settings = kernel_args(layer)
+                self.weights += weights
+                self.settings += settings
         layout = ctx.metadata
         # The caches are read at each call: the engine binds them after the layers are fused.
         return torch.ops.nanovllm_cpu.decoder_layers(
