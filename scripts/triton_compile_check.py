@@ -54,14 +54,16 @@ def attention_jobs(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
     attention_types = {name: ptr for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "o_ptr")}
     attention_types.update(cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32", block_tables_ptr="*i32",
                            part_acc_ptr="*fp32", part_stats_ptr="*fp32",
-                           scale_log2="fp32", num_splits="i32", **{name: "i32" for name in (
+                           scale_log2="fp32", window="i32", softcap_log2="fp32", num_splits="i32", **{name: "i32" for name in (
                                "q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h", "block_tables_stride",
                                "cache_stride_block", "cache_stride_tok", "cache_stride_head")})
     yield (f"store_kvcache {shape}", kernels._store_kvcache_kernel, store_types,
            kernels.store_kvcache_config(num_kv_heads, head_dim, block_size))
-    for step, max_query_len, splits in (("decode", 1, 1), ("decode, split", 1, 8), ("prefill", 2, 1)):
+    for step, max_query_len, splits, window, softcap in (("decode", 1, 1, 0, 0.0), ("decode, split", 1, 8, 0, 0.0),
+                                                         ("prefill", 2, 1, 0, 0.0),
+                                                         ("prefill, window, softcap", 2, 1, 4096, 50.0)):
         config = kernels.paged_attention_config(num_heads, num_kv_heads, head_dim, block_size, max_query_len,
-                                                dtype, splits)
+                                                dtype, splits, window, softcap)
         yield f"paged_attention[{step}] {shape}", kernels._paged_attention_kernel, attention_types, config
     merge_types = dict(part_acc_ptr="*fp32", part_stats_ptr="*fp32", o_ptr=ptr, o_stride_t="i32", o_stride_h="i32",
                        num_splits="i32")

@@ -84,6 +84,8 @@ MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 TINY_CONFIG = dict(

@@ -156,7 +156,7 @@ def test_what_keeps_the_layers_from_the_fused_path_is_named(engines):
         layers[1].post_attention_layernorm.eps = layers[1].input_layernorm.eps
         if layers[1].self_attn.qk_norm:
             layers[1].self_attn.q_norm.eps = layers[1].self_attn.k_norm.eps = layers[1].input_layernorm.eps
-        assert unfusable_reason(layers) == ("the layers differ in norm eps or attention scale "
+        assert unfusable_reason(layers) == ("the layers differ in norm eps, attention scale or softcap "
                                              "(the call takes one of each)")
     finally:
         for norm in (layers[1].input_layernorm, layers[1].post_attention_layernorm,
@@ -165,4 +165,4 @@ def test_what_keeps_the_layers_from_the_fused_path_is_named(engines):
                 norm.eps = eps
     assert unfusable_reason(layers) is None
     other_kind = unfusable_reason([torch.nn.Identity()])
-    assert other_kind == "layer 0: Identity is not a Llama-family layer, the only kind the kernel runs"
+    assert other_kind == "layer 0: Identity is not a DecoderLayer (models/decoder.py), the only kind the kernel runs"

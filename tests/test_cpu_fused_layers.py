@@ -1,7 +1,9 @@
 """Decoder layers as one kernel call (platforms/cpu_fused_layers.py): in bf16 on the SIMD
-kernels, Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) layers, on packed bf16 or GGUF block
-weights, run fused and return the eager layer's output bit for bit, step after step: prefill,
-decode and mixed steps give eager's tokens and log-probabilities exactly."""
+kernels, the layers of every family (Llama, Qwen2's q/k/v bias, Qwen3's q/k norm, Mistral's
+sliding window, Gemma 2's sandwich norms, tanh GELU, softcaps and alternating windows, Gemma 3's
+local and global layers), on packed bf16 or GGUF block weights, run fused and return the eager
+layer's output bit for bit, step after step: prefill, decode and mixed steps give eager's tokens
+and log-probabilities exactly."""
 
 import pytest
 import torch
@@ -31,10 +33,21 @@ def _greedy(llm: LLM):
             for o in outs]
 
 
-@pytest.mark.parametrize("arch, extra", [("LlamaForCausalLM", {"attention_bias": True}),
-                                         ("Qwen2ForCausalLM", {}), ("Qwen3ForCausalLM", {})])
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=20)
+FAMILIES = {
+    "llama-bias": ("LlamaForCausalLM", {"attention_bias": True}),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    "mistral-window": ("MistralForCausalLM", {"sliding_window": 20}),
+    "gemma2": ("Gemma2ForCausalLM", dict(GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3ForCausalLM", dict(GEMMA, layer_types=["sliding_attention", "full_attention"])),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("quantization", [None, "q4_0", "q8_0"])
-def test_fused_steps_equal_eager(tmp_path, arch, extra, quantization):
+def test_fused_steps_equal_eager(tmp_path, family, quantization):
+    arch, extra = FAMILIES[family]
     path = make_tiny_checkpoint(tmp_path, arch, **extra)
     settings = dict(dtype="bfloat16", num_kvcache_blocks=32, max_num_batched_tokens=48, quantization=quantization)
     fused, eager = LLM(str(path), **settings), LLM(str(path), enforce_eager=True, **settings)

@@ -30,6 +30,14 @@ ARCHS = {
     "qwen2-bias": ("Qwen2ForCausalLM", {}),
     "llama-9q-3kv": ("LlamaForCausalLM", dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3)),
     "llama-tied": ("LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    # Sliding windows shorter than most prompts, starting mid-block.
+    "mistral-window": ("MistralForCausalLM", dict(sliding_window=20)),
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=20,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=20, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import make_tiny_checkpoint, make_tiny_config
 from nanovllm.attention.base import AttentionBackend, forward_context
+from nanovllm.attention.torch_native import attend
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.loader.safetensors import iter_safetensors, safetensors_files
 from nanovllm.loader.weights import load_weights
@@ -31,11 +31,13 @@ class DenseCausalBackend(AttentionBackend):
     def prepare(self, layout):
         return None
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
-        groups = q.shape[1] // k.shape[1]
-        k, v = (t.repeat_interleave(groups, dim=1).transpose(0, 1) for t in (k, v))
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=scale)
-        return o.transpose(0, 1)
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, window, softcap):
+        positions = torch.arange(q.shape[0])
+        visible = positions[None, :] <= positions[:, None]
+        if window:
+            visible &= positions[None, :] > positions[:, None] - window
+        return attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), visible, False, scale,
+                      softcap).transpose(0, 1)
 
 
 def build(path, tp_group: TPGroup = SINGLE):
@@ -68,6 +70,16 @@ CASES = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 16})),
     "mistral": ("MistralForCausalLM", dict()),
+    "mistral_sliding_window": ("MistralForCausalLM", dict(sliding_window=7)),
+    "qwen2_sliding_window_past_max_window_layers": ("Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=7,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                         tie_word_embeddings=True)),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 
@@ -140,9 +152,16 @@ def test_unknown_architecture_lists_supported(qwen3_path):
         get_model_class(config)
 
 
-def test_sliding_window_is_rejected_by_name():
-    config = make_tiny_config("MistralForCausalLM", sliding_window=16)
-    with pytest.raises(ValueError, match="sliding_window=16"):
+@pytest.mark.parametrize("arch,overrides,message", [
+    ("MistralForCausalLM", dict(sliding_window=0), "sliding_window=0 must be at least 1"),
+    ("Gemma2ForCausalLM", dict(layer_types=["sliding_attention", "chunked_attention"]),
+     "layer_types=.*'chunked_attention'.*expected 2 entries of 'full_attention' or 'sliding_attention'"),
+    ("LlamaForCausalLM", dict(hidden_act="relu"), "hidden activation 'relu' is not supported; supported: silu, "
+                                                  "gelu_pytorch_tanh"),
+])
+def test_a_description_the_decoder_cannot_build_is_named(arch, overrides, message):
+    config = make_tiny_config(arch, **overrides)
+    with pytest.raises(ValueError, match=message):
         get_model_class(config)(config, SINGLE)
 
 

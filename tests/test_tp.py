@@ -94,6 +94,12 @@ TP_CASES = {
     # Weights quantized at load to Q8_0 blocks: column shards cut rows of blocks, row-parallel
     # shards whole blocks of each row (32 of the 64 inputs of o_proj a rank).
     "llama-q8_0-blocks": ("LlamaForCausalLM", dict(quantization="q8_0")),
+    # Softcaps, sandwich norms, tanh GELU and a sliding window on layer 0 (prompts pass it).
+    "gemma2-window": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # Local and global layers, each with its own RoPE.
+    "gemma3-window": ("Gemma3ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                                layer_types=["sliding_attention", "full_attention"])),
 }
 
 

@@ -80,13 +80,13 @@ def paged_inputs(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype=torc
     return to(q), to(k), to(v), to(k_cache), to(v_cache), layout
 
 
-def run_both(q, k, v, k_cache, v_cache, layout, num_heads, num_kv_heads, head_dim, block_size):
+def run_both(q, k, v, k_cache, v_cache, layout, num_heads, num_kv_heads, head_dim, block_size, window=0, softcap=0.0):
     """(output, k_cache, v_cache) from the portable backend and from Triton, each on its own cache copy."""
     results = []
     for backend_cls in (TorchNativeBackend, TritonBackend):
         backend = backend_cls(num_heads, num_kv_heads, head_dim, block_size)
         kc, vc = k_cache.clone(), v_cache.clone()
-        out = backend.forward(q, k, v, kc, vc, backend.prepare(layout), head_dim ** -0.5)
+        out = backend.forward(q, k, v, kc, vc, backend.prepare(layout), head_dim ** -0.5, window, softcap)
         results.append((out, kc, vc))
     return results
 
@@ -101,6 +101,15 @@ def test_matches_portable_backend(seqs, heads, block_size):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (33, 0.0), (0, 2.0), (20, 1.5)])
+@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_windowed_and_capped_attention_matches_portable_backend(seqs, window, softcap):
+    heads = (4, 2, 24)
+    inputs = paged_inputs(seqs, *heads, 16)
+    (ref, _, _), (out, _, _) = run_both(*inputs, *heads, 16, window, softcap)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 16])
 @pytest.mark.parametrize("heads", [(4, 2, 24), (8, 1, 32)], ids=lambda h: "h{}-kv{}-d{}".format(*h))
 def test_decode_split_over_the_keys_matches(heads, splits):
@@ -111,7 +120,7 @@ def test_decode_split_over_the_keys_matches(heads, splits):
     q, k, v, k_cache, v_cache, layout = paged_inputs(seqs, *heads, 16)
     ref, _, _ = run_both(q, k, v, k_cache, v_cache, layout, *heads, 16)[0]
     backend = TritonBackend(*heads, 16)
-    backend.forward(q, k, v, k_cache, v_cache, backend.prepare(layout), head_dim ** -0.5)  # stores the new K/V
+    backend.forward(q, k, v, k_cache, v_cache, backend.prepare(layout), head_dim ** -0.5, 0, 0.0)  # stores the new K/V
     out = torch.empty_like(q)
     paged_attention(q, k_cache, v_cache, out, layout.cu_seqlens_q, layout.context_lens, layout.block_tables,
                     1, head_dim ** -0.5, layout.max_context_len, splits=splits)
@@ -145,7 +154,7 @@ def test_non_contiguous_kv_and_padded_lanes():
     q, k, v = (torch.cat([t, torch.randn_like(t[:1])]) for t in (q, k, v))
     backend = TritonBackend(*heads, head_dim, block_size)
     kc, vc = k_cache.clone(), v_cache.clone()
-    out = backend.forward(q, k, v, kc, vc, backend.prepare(padded), head_dim ** -0.5)
+    out = backend.forward(q, k, v, kc, vc, backend.prepare(padded), head_dim ** -0.5, 0, 0.0)
     assert torch.equal(kc, ref_k)  # the padded lane's k/v went nowhere
     torch.testing.assert_close(out[:-1], ref, atol=2e-5, rtol=2e-5)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
@@ -174,9 +183,9 @@ def test_kernels_compile_for_hopper():
     result = subprocess.run([sys.executable, "scripts/triton_compile_check.py", "--arch", "90"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    # Per shape: the store, decode, split decode, prefill and merge kernels; then the three
-    # elementwise kernels in two dtypes.
-    assert result.stdout.count("cubin") == 5 * 5 + 3 * 2 and "OVER" not in result.stdout
+    # Per shape: the store, decode, split decode, prefill, windowed and capped prefill, and merge
+    # kernels; then the three elementwise kernels in two dtypes.
+    assert result.stdout.count("cubin") == 5 * 6 + 3 * 2 and "OVER" not in result.stdout
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA: larger shapes and bf16 run compiled only")

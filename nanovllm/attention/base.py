@@ -56,12 +56,14 @@ class AttentionBackend(ABC):
         """Build this backend's metadata for one step (shared by all layers)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, metadata: object, scale: float, window: int, softcap: float) -> torch.Tensor:
         """Write the new k/v into the cache, then attend.
 
         q: [T, H, D], k/v: [T, KVH, D]; caches: one layer's, in this backend's `kv_cache_shape`.
-        Returns [T, H, D]. Every new k/v of the step is in the cache before any query reads it:
+        `window` > 0: a query at position p sees keys p - window + 1 .. p only (a sliding
+        window), else every key up to p; `softcap` > 0: scores (after `scale`) become
+        softcap * tanh(scores / softcap) before the softmax. Returns [T, H, D]. Every new k/v of the step is in the cache before any query reads it:
         the scheduler lets a sequence attend to blocks another writes in the same step (the
         later streams of an n > 1 request).
         """

@@ -41,9 +41,9 @@ class CPUBackend(AttentionBackend):
     def prepare(self, layout: BatchLayout) -> BatchLayout:
         return layout
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata: BatchLayout, scale):
+    def forward(self, q, k, v, k_cache, v_cache, metadata: BatchLayout, scale, window, softcap):
         torch.ops.nanovllm_cpu.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         o = torch.empty_like(q)
         torch.ops.nanovllm_cpu.paged_attention(o, q, k_cache, v_cache, metadata.cu_seqlens_q,
-                                               metadata.context_lens, metadata.block_tables, scale)
+                                               metadata.context_lens, metadata.block_tables, scale, window, softcap)
         return o

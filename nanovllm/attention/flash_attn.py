@@ -50,12 +50,14 @@ class FlashAttnBackend(AttentionBackend):
         return FlashAttnMetadata(layout.slot_mapping, layout.cu_seqlens_q, cu_seqlens_k, layout.context_lens,
                                  layout.block_tables, layout.max_query_len, layout.max_context_len)
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata: FlashAttnMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, metadata: FlashAttnMetadata, scale, window, softcap):
         store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        # flash-attn's window counts the keys left of the query's own: (window - 1, 0); -1 is none.
+        options = dict(softmax_scale=scale, causal=True, block_table=metadata.block_tables,
+                       window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap)
         if metadata.cu_seqlens_k is None:  # decode: one query token per sequence
             out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=metadata.context_lens,
-                                          block_table=metadata.block_tables, softmax_scale=scale, causal=True)
+                                          **options)
             return out.squeeze(1)
         return flash_attn_varlen_func(q, k_cache, v_cache, metadata.cu_seqlens_q, metadata.cu_seqlens_k,
-                                      metadata.max_query_len, metadata.max_context_len, softmax_scale=scale,
-                                      causal=True, block_table=metadata.block_tables)
+                                      metadata.max_query_len, metadata.max_context_len, **options)

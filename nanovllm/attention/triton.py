@@ -76,12 +76,15 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
     part_acc_ptr, part_stats_ptr,  # with SPLIT_KV: fp32 [T, H, num_splits, D] and [T, H, num_splits, 2]
     scale_log2,  # softmax scale * log2(e): the softmax runs in base 2
+    window,  # with HAS_WINDOW: a row at position p sees keys p - window + 1 .. p
+    softcap_log2,  # with HAS_SOFTCAP: the softcap * log2(e), so that base-2 scores x become c tanh(x / c)
     num_splits,  # parts of the keys (SPLIT_KV); a runtime value, so changing it compiles nothing
     q_stride_t, q_stride_h, o_stride_t, o_stride_h, block_tables_stride,
     cache_stride_block, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr, NUM_HEADS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,6 +120,8 @@ def _paged_attention_kernel(
     last_tok = tl.minimum(q_len, (tile + 1) * TOKENS_PER_TILE) - 1
     kv_end = context_len - q_len + last_tok + 1
     kv_start = 0
+    if HAS_WINDOW and not SPLIT_KV:  # from the key tile of the first key this tile's first row sees
+        kv_start = tl.maximum(context_len - q_len + tile * TOKENS_PER_TILE - window + 1, 0) // BLOCK_N * BLOCK_N
     if SPLIT_KV:  # this program's part: whole key tiles, the last part possibly short or empty
         part = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         kv_start = split * part
@@ -130,7 +135,12 @@ def _paged_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFTCAP:  # tanh(u) = 1 - 2 / (exp(2u) + 1)
+            u = scores / softcap_log2
+            scores = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         rescale = tl.exp2(m - m_new)
@@ -212,7 +222,8 @@ def kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_context_
 
 
 def paged_attention_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                           max_query_len: int, dtype: torch.dtype, splits: int = 1) -> dict:
+                           max_query_len: int, dtype: torch.dtype, splits: int = 1, window: int = 0,
+                           softcap: float = 0.0) -> dict:
     """The attention kernel's compile-time parameters: a decode tile when every sequence has
     one query token, else a prefill tile; rows are tokens x the GQA group."""
     group = num_heads // num_kv_heads
@@ -222,21 +233,23 @@ def paged_attention_config(num_heads: int, num_kv_heads: int, head_dim: int, blo
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         # fp32 models stay exact (no TF32), so greedy tokens match an fp32 reference.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        SPLIT_KV=splits > 1, NUM_HEADS=num_heads,
+        SPLIT_KV=splits > 1, NUM_HEADS=num_heads, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
     )
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                    max_query_len: int, scale: float, max_context_len: int, splits: int | None = None) -> None:
+                    max_query_len: int, scale: float, max_context_len: int, splits: int | None = None,
+                    window: int = 0, softcap: float = 0.0) -> None:
     """Attend q [T, H, D] over the paged cache into `out` [T, H, D] (see the module docstring).
-    `splits`: parts of the keys per decode program (None: kv_splits' choice)."""
+    `splits`: parts of the keys per decode program (None: kv_splits' choice); `window` and
+    `softcap` as AttentionBackend.forward takes them (0: none)."""
     assert q.stride(2) == out.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     num_seqs, num_heads, num_kv_heads = context_lens.shape[0], q.shape[1], k_cache.shape[2]
     if splits is None:
         splits = kv_splits(num_seqs, num_kv_heads, max_query_len, max_context_len, multiprocessors(q.device))
     config = paged_attention_config(num_heads, num_kv_heads, q.shape[2], k_cache.shape[1], max_query_len, q.dtype,
-                                    splits)
+                                    splits, window, softcap)
     part_acc = part_stats = out  # unused unless the keys are split
     if splits > 1:
         part_acc = torch.empty(q.shape[0], num_heads, splits, config["BLOCK_D"], dtype=torch.float32, device=q.device)
@@ -244,7 +257,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     axis2 = splits if splits > 1 else triton.cdiv(max_query_len, config["TOKENS_PER_TILE"])
     _paged_attention_kernel[(num_seqs, num_kv_heads, axis2)](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, part_acc, part_stats,
-        scale * LOG2_E, splits,
+        scale * LOG2_E, window, softcap * LOG2_E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         **config,
@@ -276,9 +289,10 @@ class TritonBackend(AttentionBackend):
         return TritonMetadata(layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens,
                               layout.block_tables, layout.max_query_len, layout.max_context_len)
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata: TritonMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, metadata: TritonMetadata, scale, window, softcap):
         store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
         o = torch.empty_like(q)
         paged_attention(q, k_cache, v_cache, o, metadata.cu_seqlens_q, metadata.context_lens,
-                        metadata.block_tables, metadata.max_query_len, scale, metadata.max_context_len)
+                        metadata.block_tables, metadata.max_query_len, scale, metadata.max_context_len,
+                        window=window, softcap=softcap)
         return o

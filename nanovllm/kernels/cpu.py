@@ -23,7 +23,7 @@ through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `l
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
 `gguf_linear` / `gguf_linear_parts` / `gguf_dequantize` / `gguf_repack` (weights in GGUF's block formats),
 `store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise
-`silu_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layers` (a run of Llama-family layers as one call
+`silu_and_mul`, `gelu_tanh_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layers` (a run of decoder layers as one call
 over the others), `isa` and `amx_tiles_granted`; see cpu/registration.cpp.
 """
 
@@ -192,10 +192,14 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("nanovllm_cpu::paged_attention")
-    def _(out, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+    def _(out, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window, softcap):
         return None
 
     @torch.library.register_fake("nanovllm_cpu::silu_and_mul")
+    def _(x):
+        return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+    @torch.library.register_fake("nanovllm_cpu::gelu_tanh_and_mul")
     def _(x):
         return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
@@ -204,8 +208,8 @@ def _register_fakes() -> None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("nanovllm_cpu::decoder_layers")
-    def _(hidden, residual, positions, weights, settings, eps, scale, k_caches, v_caches, slot_mapping, cu_seqlens_q,
-          context_lens, block_tables):
+    def _(hidden, residual, positions, weights, settings, eps, scale, softcap, k_caches, v_caches, slot_mapping,
+          cu_seqlens_q, context_lens, block_tables):
         return torch.empty_like(hidden), torch.empty_like(hidden)
 
     @torch.library.register_fake("nanovllm_cpu::add_rms_norm")

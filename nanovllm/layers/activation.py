@@ -1,4 +1,5 @@
-"""The gated SiLU activation of Llama-style MLPs (one kernel on the CPU kernels and on CUDA)."""
+"""The gated activations of the MLPs: x [..., 2 * I] holding [gate | up] -> act(gate) * up, one
+kernel on the CPU kernels (and the SiLU one, Llama's and most families', on CUDA too)."""
 
 import torch
 import torch.nn.functional as F
@@ -8,7 +9,6 @@ from nanovllm.layers.custom_op import CustomOp
 
 class SiluAndMul(CustomOp):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., 2 * I] holding [gate | up] -> silu(gate) * up, [..., I]."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -18,3 +18,22 @@ class SiluAndMul(CustomOp):
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         from nanovllm.kernels import triton_elementwise
         return triton_elementwise.silu_and_mul(x)
+
+
+class GeluTanhAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.nanovllm_cpu.gelu_tanh_and_mul(x)
+
+
+# By the names HF configs give them (`hidden_act`, Gemma's `hidden_activation`).
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
+def gated_activation(name: str) -> CustomOp:
+    if name not in GATED_ACTIVATIONS:
+        raise ValueError(f"hidden activation {name!r} is not supported; supported: {', '.join(GATED_ACTIVATIONS)}")
+    return GATED_ACTIVATIONS[name]()

@@ -16,12 +16,21 @@ from nanovllm.attention.base import get_forward_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """`sliding_window`: a query sees only the last that many positions, its own included (None:
+    every earlier one); `logit_softcap`: scores become cap * tanh(scores / cap) before the
+    softmax (None: as they are)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        # As the backends and the op take them: 0 for none.
+        self._window, self._softcap = sliding_window or 0, logit_softcap or 0.0
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -30,24 +39,25 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attend = torch.ops.nanovllm.attention if torch.compiler.is_compiling() else _attention
-        o = attend(q, k, v, self.k_cache, self.v_cache, self.scale)
+        o = attend(q, k, v, self.k_cache, self.v_cache, self.scale, self._window, self._softcap)
         return o.reshape(-1, self.num_heads * self.head_dim)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int, softcap: float) -> torch.Tensor:
     ctx = get_forward_context()
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale)
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale, window, softcap)
 
 
 # Defined through torch.library.Library rather than custom_op: the same op at a fraction of the
 # call overhead, which counts once per layer and step. The compiler calls it on
 # the cache tensors themselves: declared mutations of graph inputs stay in place, no copies.
 _lib = torch.library.Library("nanovllm", "DEF")
-_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale) -> Tensor")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, float scale, "
+            "int window, float softcap) -> Tensor")
 _lib.impl("attention", _attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("nanovllm::attention")
-def _(q, k, v, k_cache, v_cache, scale):
+def _(q, k, v, k_cache, v_cache, scale, window, softcap):
     return torch.empty_like(q)

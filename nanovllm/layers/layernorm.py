@@ -1,7 +1,9 @@
 """RMSNorm, optionally fused with the residual add that precedes it.
 
 The statistics are computed in fp32 and the result cast back before the weight multiply,
-as HF Llama/Qwen do. Inputs are never modified: `x.float()` returns `x` itself when x is
+as HF Llama/Qwen do. A family whose norms multiply by (1 + w) (Gemma) gives a weight offset of
+1: the weight loader stores offset + w (summed in fp32), so every forward and kernel multiplies
+by the weight as it is. Inputs are never modified: `x.float()` returns `x` itself when x is
 already fp32, so an in-place op here could clobber the caller's tensor. On the CPU kernels and
 on CUDA (Triton) one kernel does the add and the norm, rounding where this code does.
 """
@@ -10,13 +12,19 @@ import torch
 from torch import nn
 
 from nanovllm.layers.custom_op import CustomOp
+from nanovllm.loader.weights import default_weight_loader
 
 
 class RMSNorm(CustomOp):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0):
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded_weight.float() + self.weight_offset, shard_id)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

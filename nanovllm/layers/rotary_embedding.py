@@ -15,9 +15,14 @@ from nanovllm.layers.custom_op import CustomOp
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters_from_config(config) -> dict:
-    """One flat dict with `rope_type`, `rope_theta` and the scaling keys, from either config form."""
-    params = {**(getattr(config, "rope_scaling", None) or {}), **(getattr(config, "rope_parameters", None) or {})}
+def rope_parameters_from_config(config, layer_type: str | None = None) -> dict:
+    """One flat dict with `rope_type`, `rope_theta` and the scaling keys, from either config form;
+    where the config gives parameters per kind of layer (Gemma 3's `rope_parameters` keyed by
+    "full_attention" and "sliding_attention"), those of `layer_type`."""
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(rope_parameters.get(layer_type), dict):
+        rope_parameters = rope_parameters[layer_type]
+    params = {**(getattr(config, "rope_scaling", None) or {}), **rope_parameters}
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
     params["rope_theta"] = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     if getattr(config, "partial_rotary_factor", None) is not None:

@@ -1,9 +1,9 @@
-"""Qwen2: the Llama architecture with bias on q/k/v (none on the output projection)."""
+"""Qwen2: the Llama decoder with bias on q/k/v (none on the output projection)."""
 
-from nanovllm.models.llama import LlamaForCausalLM, LlamaVariant
+from nanovllm.models.decoder import DecoderDescription, DecoderForCausalLM, sliding_layers
 
 
-class Qwen2ForCausalLM(LlamaForCausalLM):
+class Qwen2ForCausalLM(DecoderForCausalLM):
     @staticmethod
-    def variant(config) -> LlamaVariant:
-        return LlamaVariant(qkv_bias=True, o_bias=False, qk_norm=False)
+    def describe(config) -> DecoderDescription:
+        return DecoderDescription(qkv_bias=True, activation=config.hidden_act, **sliding_layers(config))

@@ -1,13 +1,14 @@
-"""Qwen3: the Llama architecture with per-head RMSNorm on q and k before RoPE.
+"""Qwen3: the Llama decoder with per-head RMSNorm on q and k before RoPE.
 
 Its head_dim is set in the config and need not equal hidden_size / num_attention_heads.
 """
 
-from nanovllm.models.llama import LlamaForCausalLM, LlamaVariant
+from nanovllm.models.decoder import DecoderDescription, DecoderForCausalLM, sliding_layers
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+class Qwen3ForCausalLM(DecoderForCausalLM):
     @staticmethod
-    def variant(config) -> LlamaVariant:
+    def describe(config) -> DecoderDescription:
         bias = getattr(config, "attention_bias", False)
-        return LlamaVariant(qkv_bias=bias, o_bias=bias, qk_norm=True)
+        return DecoderDescription(qkv_bias=bias, o_bias=bias, qk_norm=True, activation=config.hidden_act,
+                                  **sliding_layers(config))

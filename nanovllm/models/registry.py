@@ -2,6 +2,8 @@
 
 from torch import nn
 
+from nanovllm.models.gemma2 import Gemma2ForCausalLM
+from nanovllm.models.gemma3 import Gemma3ForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
@@ -10,7 +12,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # same graph; sliding windows are rejected at build
+    "MistralForCausalLM": LlamaForCausalLM,  # the same decoder, its sliding window included
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)

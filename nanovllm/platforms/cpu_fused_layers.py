@@ -1,9 +1,11 @@
-"""The decoder layers of the Llama family as one kernel call on CPU (`nanovllm_cpu::decoder_layers`,
+"""A model's decoder layers as one kernel call on CPU (`nanovllm_cpu::decoder_layers`,
 kernels/cpu/decoder_layer.cpp), in place of compiling them, where every part of every layer
 already runs on the CPU kernels: bf16 activations with the elementwise kernels on (the caller's
 to know), each linear on a method that says how the kernel calls it (`fused_kernel_args`: the
 GGUF block method and the packed bf16 one), one tensor-parallel rank, and, step by step, the CPU
-attention backend.
+attention backend. The call reads each layer's family description (models/decoder.py's
+DecoderDescription: norms, activation, window, softcap), so every family built as a
+DecoderLayer takes it; what it lacks, `unfusable_reason` names.
 
 The call runs, layer after layer, the kernels the eager layer would call, in its order and with
 its roundings, so its output is the eager layers' bit for bit; what it saves is the glue between
@@ -22,7 +24,10 @@ from torch import nn
 from nanovllm.attention.base import get_forward_context
 from nanovllm.attention.cpu import CPUBackend
 from nanovllm.layers.decoder_layers import run_in_turn
-from nanovllm.models.llama import LlamaDecoderLayer
+from nanovllm.models.decoder import DecoderLayer
+
+# The gated activations the call runs (decoder_layer.cpp's Activation), by HF's names.
+ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def unfusable_reason(layers: list[nn.Module]) -> str | None:
@@ -34,18 +39,29 @@ def unfusable_reason(layers: list[nn.Module]) -> str | None:
         reason = _layer_reason(layer)
         if reason is not None:
             return f"layer {i}: {reason}"
-    if len({(layer.input_layernorm.eps, layer.self_attn.attn.scale) for layer in layers}) != 1:
-        return "the layers differ in norm eps or attention scale (the call takes one of each)"
+    if len({(layer.input_layernorm.eps, layer.self_attn.attn.scale, layer.self_attn.attn.logit_softcap)
+            for layer in layers}) != 1:
+        return "the layers differ in norm eps, attention scale or softcap (the call takes one of each)"
     return None
 
 
-def _layer_reason(layer: nn.Module) -> str | None:
-    if not isinstance(layer, LlamaDecoderLayer):
-        return f"{type(layer).__name__} is not a Llama-family layer, the only kind the kernel runs"
+def _norms(layer: DecoderLayer) -> list[nn.Module]:
     attn = layer.self_attn
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if layer.description.sandwich_norms:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
     if attn.qk_norm:
         norms += [attn.q_norm, attn.k_norm]
+    return norms
+
+
+def _layer_reason(layer: nn.Module) -> str | None:
+    if not isinstance(layer, DecoderLayer):
+        return f"{type(layer).__name__} is not a DecoderLayer (models/decoder.py), the only kind the kernel runs"
+    attn = layer.self_attn
+    if layer.description.activation not in ACTIVATION_KINDS:
+        return f"its activation {layer.description.activation!r} has no kernel (only {', '.join(ACTIVATION_KINDS)})"
+    norms = _norms(layer)
     if any(norm.weight.dtype != torch.bfloat16 for norm in norms):
         return "a norm's weight is not bfloat16"
     if any(norm.eps != norms[0].eps for norm in norms):
@@ -61,11 +77,14 @@ def _layer_reason(layer: nn.Module) -> str | None:
     return None
 
 
-def kernel_args(layer: LlamaDecoderLayer) -> tuple[list, list[int]]:
+def kernel_args(layer: DecoderLayer) -> tuple[list, list[int]]:
     """A layer's share of the call's weights and settings, in the layout decoder_layer.cpp names."""
-    attn = layer.self_attn
+    attn, description = layer.self_attn, layer.description
+    sandwich = description.sandwich_norms
     linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.rotary_emb.cos_sin_cache,
+    weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+               layer.pre_feedforward_layernorm.weight if sandwich else None,
+               layer.post_feedforward_layernorm.weight if sandwich else None, attn.rotary_emb.cos_sin_cache,
                attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None]
     kinds, max_rows, bits = [], [], []
     for linear in linears:
@@ -74,14 +93,16 @@ def kernel_args(layer: LlamaDecoderLayer) -> tuple[list, list[int]]:
         kinds.append(kind)
         max_rows.append(rows)
         bits.append(activation_bits)
-    return weights, [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, *kinds, *max_rows, *bits]
+    settings = [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window or 0,
+                int(sandwich), ACTIVATION_KINDS[description.activation]]
+    return weights, [*settings, *kinds, *max_rows, *bits]
 
 
 class FusedDecoderLayers:
-    """Runs LlamaDecoderLayers (only where unfusable_reason is None) as one kernel call; on any
-    other attention backend the layers run in turn."""
+    """Runs DecoderLayers (only where unfusable_reason is None) as one kernel call; on any other
+    attention backend the layers run in turn."""
 
-    def __init__(self, layers: list[LlamaDecoderLayer]):
+    def __init__(self, layers: list[DecoderLayer]):
         self.layers = layers
         self.weights: list | None = None  # gathered at the first call: loaded and repacked by then
         self.settings: list[int] = []
@@ -99,8 +120,9 @@ class FusedDecoderLayers:
                 self.weights += weights
                 self.settings += settings
         layout = ctx.metadata
-        # The caches are read at each call: the engine binds them after the layers are fused.
+        # The caches are read at each call: the engine binds them after the layers are built.
+        first = self.attentions[0]
         return torch.ops.nanovllm_cpu.decoder_layers(
-            hidden, residual, positions, self.weights, self.settings, self.eps, self.attentions[0].scale,
+            hidden, residual, positions, self.weights, self.settings, self.eps, first.scale, first.logit_softcap or 0.0,
             [attn.k_cache for attn in self.attentions], [attn.v_cache for attn in self.attentions],
             layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens, layout.block_tables)

@@ -1,7 +1,9 @@
 // The paged KV cache's two ops:
 //  * store_kv: scatters a step's new keys/values into the paged cache by slot (-1 = skip).
 //  * paged_attention: causal attention of every query row of a step (decodes and prefill
-//    chunks alike) over the paged cache, read in place through the block tables.
+//    chunks alike) over the paged cache, read in place through the block tables; with a
+//    sliding window a row sees only its last `window` positions, and with a softcap its scores
+//    become softcap * tanh(score / softcap) (Gemma 2).
 //
 // Cache layout, per layer: [KVH][blocks][bs * D], head-major, so that one KV head's blocks lie
 // back to back and a sequence's run of consecutive block ids reads as one stream (the
@@ -96,12 +98,21 @@ struct Item {
   double cost;
 };
 
-// A (query row, query head) pair; `last` is the last key position it may see.
+// A (query row, query head) pair; it sees key positions first..last.
 template <typename T>
 struct Row {
   const T* q;
   T* out;
-  int64_t last;
+  int64_t first, last;
+};
+
+// How a score is finished before the softmax: scaled, then capped when softcap > 0.
+struct Scoring {
+  float scale, softcap;
+  float operator()(float dot) const {
+    const float s = dot * scale;
+    return softcap > 0 ? softcap * std::tanh(s / softcap) : s;
+  }
 };
 
 struct Paged {
@@ -117,27 +128,27 @@ struct Paged {
 // Portable path (fp32, or shapes the vectorised path does not take): one row at a time.
 template <typename T>
 void attend_rows_generic(const Row<T>* rows, int n, const T* k_cache, const T* v_cache, const Paged& pg,
-                         float scale, std::vector<float>& scratch) {
+                         Scoring scoring, std::vector<float>& scratch) {
   const int64_t D = pg.D, bs = pg.bs;
   for (int r = 0; r < n; r++) {
-    const int64_t len = rows[r].last + 1;
+    const int64_t first = rows[r].first, len = rows[r].last + 1 - first;
     scratch.resize(len + D);
     float* s = scratch.data();
     float* acc = s + len;
     float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; t++) {
-      const T* kb = pg.block(k_cache, t);
+    for (int64_t i = 0; i < len; i++) {
+      const T* kb = pg.block(k_cache, first + i);
       float dot = 0;
-      for (int64_t d = 0; d < D; d++) dot += float(rows[r].q[d]) * float(kb[key_offset(t % bs, d, bs)]);
-      s[t] = dot * scale;
-      max_score = std::max(max_score, s[t]);
+      for (int64_t d = 0; d < D; d++) dot += float(rows[r].q[d]) * float(kb[key_offset((first + i) % bs, d, bs)]);
+      s[i] = scoring(dot);
+      max_score = std::max(max_score, s[i]);
     }
     float sum = 0;
-    for (int64_t t = 0; t < len; t++) sum += (s[t] = std::exp(s[t] - max_score));
+    for (int64_t i = 0; i < len; i++) sum += (s[i] = std::exp(s[i] - max_score));
     std::fill(acc, acc + D, 0.0f);
-    for (int64_t t = 0; t < len; t++) {
-      const T* vb = pg.block(v_cache, t);
-      for (int64_t d = 0; d < D; d++) acc[d] += s[t] * float(vb[value_offset(t % bs, d, D)]);
+    for (int64_t i = 0; i < len; i++) {
+      const T* vb = pg.block(v_cache, first + i);
+      for (int64_t d = 0; d < D; d++) acc[d] += s[i] * float(vb[value_offset((first + i) % bs, d, D)]);
     }
     for (int64_t d = 0; d < D; d++) rows[r].out[d] = T(acc[d] / sum);
   }
@@ -157,7 +168,7 @@ constexpr int kRowsAtOnce = chunks <= 4 ? 4 : 2;
 // probabilities are rounded to bf16 for the value sum, as flash attention does.
 template <int chunks, int NR>
 void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const BFloat16* v_cache, const Paged& pg,
-                      float scale) {
+                      Scoring scoring) {
   constexpr int D = 16 * chunks;
   // P partial sums per row where the registers allow (P divides D / 2 = 8 * chunks), as many for
   // every NR: a row's scores then sum in one order whichever rows share its call (batch invariance).
@@ -167,16 +178,19 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
   float running_max[NR], running_sum[NR];
   // The query's pairs made once, not at every tile (on AVX2 each is two widenings).
   simd::Pair query[NR][D / 2];
-  int64_t last = 0;
+  int64_t first = rows[0].first, last = 0;
   for (int r = 0; r < NR; r++) {
     for (int dp = 0; dp < D / 2; dp++) query[r][dp] = simd::make_pair(rows[r].q + 2 * dp);
     for (int c = 0; c < chunks; c++) acc[r][c] = simd::zero();
     running_max[r] = -std::numeric_limits<float>::infinity();
     running_sum[r] = 0;
+    first = std::min(first, rows[r].first);
     last = std::max(last, rows[r].last);
   }
   const Vec minus_inf = simd::set1(-std::numeric_limits<float>::infinity());
-  for (int64_t t0 = 0; t0 <= last; t0 += 16) {
+  // From the tile of the first key any row sees. A row's arithmetic starts at its own first tile
+  // (the tiles before it are skipped below), so it is the same whichever rows share the call.
+  for (int64_t t0 = first / 16 * 16; t0 <= last; t0 += 16) {
     const BFloat16* keys = pg.block(k_cache, t0) + (t0 % bs) * 2;
     const BFloat16* values = pg.block(v_cache, t0) + (t0 % bs) * D;
     // Blocks sit anywhere in memory: fetch the next tile while on this one, a key line and a
@@ -204,12 +218,23 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
     }
     alignas(64) BFloat16 probs[NR][16];
     for (int r = 0; r < NR; r++) {
+      // Lanes from..visible-1 of the tile are this row's keys.
       const int64_t visible = std::clamp<int64_t>(rows[r].last - t0 + 1, 0, 16);
-      if (visible == 0) {  // this row's keys ended in an earlier tile
+      const int64_t from = std::clamp<int64_t>(rows[r].first - t0, 0, 16);
+      if (from >= visible) {  // this row's keys lie in other tiles
         std::memset(probs[r], 0, sizeof(probs[r]));
         continue;
       }
-      const Vec scores = simd::keep_first(simd::mul(s[r], simd::set1(scale)), visible, minus_inf);
+      Vec scores = simd::mul(s[r], simd::set1(scoring.scale));
+      if (scoring.softcap > 0 || from > 0) {  // per lane: the cap, and the keys before the window
+        alignas(64) float lanes[16];
+        simd::store(lanes, scores);
+        for (int64_t j = 0; j < 16; j++)
+          lanes[j] = j < from ? -std::numeric_limits<float>::infinity()
+                              : (scoring.softcap > 0 ? scoring.softcap * std::tanh(lanes[j] / scoring.softcap) : lanes[j]);
+        scores = simd::load(lanes);
+      }
+      scores = simd::keep_first(scores, visible, minus_inf);
       const float tile_max = simd::reduce_max(scores);
       if (tile_max > running_max[r]) {  // rescale what came before; past the first tiles, rarely
         const float correction = std::exp(running_max[r] - tile_max);
@@ -243,21 +268,21 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
 
 template <int chunks, int... NRs>
 void attend_rows_bf16_groups(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
-                             const Paged& pg, float scale, std::integer_sequence<int, NRs...>) {
-  using Fn = void (*)(const Row<BFloat16>*, const BFloat16*, const BFloat16*, const Paged&, float);
+                             const Paged& pg, Scoring scoring, std::integer_sequence<int, NRs...>) {
+  using Fn = void (*)(const Row<BFloat16>*, const BFloat16*, const BFloat16*, const Paged&, Scoring);
   constexpr Fn by_count[] = {&attend_rows_bf16<chunks, NRs + 1>...};
   constexpr int R = sizeof...(NRs);
-  for (int i = 0; i < n; i += R) by_count[std::min(R, n - i) - 1](rows + i, k_cache, v_cache, pg, scale);
+  for (int i = 0; i < n; i += R) by_count[std::min(R, n - i) - 1](rows + i, k_cache, v_cache, pg, scoring);
 }
 
 template <int chunks>
 void attend_rows_bf16_any(const Row<BFloat16>* rows, int n, const BFloat16* k_cache, const BFloat16* v_cache,
-                          const Paged& pg, float scale) {
-  attend_rows_bf16_groups<chunks>(rows, n, k_cache, v_cache, pg, scale,
+                          const Paged& pg, Scoring scoring) {
+  attend_rows_bf16_groups<chunks>(rows, n, k_cache, v_cache, pg, scoring,
                                   std::make_integer_sequence<int, kRowsAtOnce<chunks>>{});
 }
 
-using AttendRowsFn = void (*)(const Row<BFloat16>*, int, const BFloat16*, const BFloat16*, const Paged&, float);
+using AttendRowsFn = void (*)(const Row<BFloat16>*, int, const BFloat16*, const BFloat16*, const Paged&, Scoring);
 // head_dim 16, 32, ..., 128 (index head_dim / 16 - 1); other sizes go the portable way.
 constexpr AttendRowsFn kAttendRows[8] = {
     &attend_rows_bf16_any<1>, &attend_rows_bf16_any<2>, &attend_rows_bf16_any<3>, &attend_rows_bf16_any<4>,
@@ -267,10 +292,12 @@ constexpr AttendRowsFn kAttendRows[8] = {
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
-                     double scale) {
+                     double scale, int64_t window, double softcap) {
   // q, out: [T, H, D] (each head's D contiguous); caches [KVH, blocks, bs * D]; sequence i owns
   // query rows cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of which sits at position
-  // context_lens[i] - 1; block_tables [B, max_blocks] int32.
+  // context_lens[i] - 1; block_tables [B, max_blocks] int32. window > 0: a row at position p sees
+  // keys p - window + 1 .. p; softcap > 0: capped scores.
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out heads must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtypes differ");
@@ -295,12 +322,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     TORCH_CHECK(q_len >= 0 && ctx >= q_len && ctx <= max_blocks * bs, "sequence ", b, ": bad lengths");
     for (int64_t r0 = 0; r0 < q_len; r0 += kRowsPerItem) {
       const int64_t r1 = std::min(q_len, r0 + kRowsPerItem);
-      const double cost = double(r1 - r0) * double(ctx - q_len + (r0 + r1) / 2 + 16);
+      const int64_t span = ctx - q_len + (r0 + r1) / 2;  // keys a middle row sees without a window
+      const double cost = double(r1 - r0) * double((window > 0 ? std::min(span, window) : span) + 16);
       for (int64_t h = 0; h < KVH; h++) items.push_back({b, h, cu[b] + r0, cu[b] + r1, cost});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
+  const Scoring scoring{float(scale), float(softcap)};
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     const T* kc = k_cache.data_ptr<T>();
@@ -314,19 +343,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
         rows.clear();
         for (int64_t row = it.row_begin; row < it.row_end; row++)
           for (int64_t g = 0; g < G; g++) {
-            const int64_t head = it.head * G + g;
+            const int64_t head = it.head * G + g, pos = first_pos + row - cu[it.seq];
             rows.push_back({q.data_ptr<T>() + row * q.stride(0) + head * q.stride(1),
                             out.data_ptr<T>() + row * out.stride(0) + head * out.stride(1),
-                            first_pos + row - cu[it.seq]});
+                            window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, pos});
           }
         const Paged pg{tables + it.seq * max_blocks, bs, D, num_blocks, it.head};
         if constexpr (std::is_same_v<T, BFloat16>) {
           if (D % 16 == 0 && D <= 128 && bs % 16 == 0) {
-            kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, float(scale));
+            kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, scoring);
             continue;
           }
         }
-        attend_rows_generic<T>(rows.data(), int(rows.size()), kc, vc, pg, float(scale), scratch);
+        attend_rows_generic<T>(rows.data(), int(rows.size()), kc, vc, pg, scoring, scratch);
       }
     });
   };

@@ -1,8 +1,9 @@
-// decoder_layers: a run of pre-norm decoder layers of the Llama family (Llama, Qwen2's q/k/v
-// bias, Qwen3's per-head q/k norm) in bf16, as one call: for each layer in turn the kernels the
-// eager layer calls one by one (norms, linears, the KV store, paged attention, gated SiLU), in
-// the same order on the same tensors, with RoPE here rounding as the eager torch ops do, so the
-// output is eager's bit for bit. A decode step then crosses from Python into C++ once for the
+// decoder_layers: a run of pre-norm decoder layers (models/decoder.py's, as their description
+// shapes them: q/k/v biases, per-head q/k norm, a sliding window per layer, an attention softcap,
+// norms on the attention's and MLP's outputs too, a SiLU or tanh-GELU gate) in bf16, as one call:
+// for each layer in turn the kernels the eager layer calls one by one (norms, linears, the KV
+// store, paged attention, the gated activation), in the same order on the same tensors, with
+// RoPE here rounding as the eager torch ops do, so the output is eager's bit for bit. A decode step then crosses from Python into C++ once for the
 // whole model instead of a dozen times a layer, and none of the layers' glue (splits, views,
 // RoPE) runs as Python or Inductor wrapper code.
 
@@ -25,14 +26,17 @@ using Weights = c10::List<std::optional<at::Tensor>>;
 
 // The layout of each layer's share of decoder_layers' arguments (platforms/cpu_fused_layers.py
 // builds them; the layers' shares follow one another). weights: input norm, post-attention
-// norm, RoPE's cos|sin cache, q norm, k norm (the last two None unless Qwen3), then per linear
-// (qkv, o, gate_up, down) its weight, packed copy, oneDNN copy and bias. settings: heads, KV
-// heads, head dim, then each linear's kind (a GGUF block weight's type id; kGGUFParts for one in
-// parts of differing types, whose parts table takes the packed copy's place; kPackedBF16 for the
-// packed bf16 method), then each one's row threshold, then each one's activation bits (a GGUF
-// weight's x in 8 or 16 bits; unused by the packed bf16 method).
+// norm, pre-feedforward and post-feedforward norms (None without sandwich norms), RoPE's cos|sin
+// cache, q norm, k norm (None without q/k norm), then per linear (qkv, o, gate_up, down) its
+// weight, packed copy, oneDNN copy and bias. settings: heads, KV heads, head dim, sliding window
+// (0: none), sandwich norms (0/1), activation (kSilu, kGeluTanh), then each linear's kind (a
+// GGUF block weight's type id; kGGUFParts for one in parts of differing types, whose parts table
+// takes the packed copy's place; kPackedBF16 for the packed bf16 method), then each one's row
+// threshold, then each one's activation bits (a GGUF weight's x in 8 or 16 bits; unused by the
+// packed bf16 method).
 enum Linear { kQKV, kOut, kGateUp, kDown, kLinears };
-constexpr int64_t kLinearWeights = 5, kWeightsPerLinear = 4, kLinearSettings = 3;
+enum Activation { kSilu, kGeluTanh };
+constexpr int64_t kLinearWeights = 7, kWeightsPerLinear = 4, kLinearSettings = 6;
 constexpr int64_t kPackedBF16 = -1, kGGUFParts = -2;
 constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 3 * kLinears;
 
@@ -97,11 +101,15 @@ at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at:
 
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions, const LayerWeights& weights,
-    at::IntArrayRef settings, double eps, double scale, at::Tensor& k_cache, at::Tensor& v_cache,
+    at::IntArrayRef settings, double eps, double scale, double softcap, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
     const at::Tensor& block_tables) {
-  const int64_t H = settings[0], KVH = settings[1], D = settings[2], T = hidden.size(0);
-  const at::Tensor cos_sin = weights.weight(2).value();
+  const int64_t H = settings[0], KVH = settings[1], D = settings[2], window = settings[3], T = hidden.size(0);
+  const bool sandwich = settings[4] != 0;
+  const int64_t activation = settings[5];
+  TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "decoder_layers: activation ", activation,
+              " is neither ", kSilu, " (SiLU) nor ", kGeluTanh, " (tanh GELU)");
+  const at::Tensor cos_sin = weights.weight(4).value();
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.size(1) == D,
               "decoder_layers: an fp32 [positions, head_dim] cos|sin cache");
 
@@ -110,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor q = qkv.slice(1, 0, H * D).view({T, H, D});
   at::Tensor k = qkv.slice(1, H * D, (H + KVH) * D).view({T, KVH, D});
   const at::Tensor v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
-  const std::optional<at::Tensor> q_norm = weights.weight(3), k_norm = weights.weight(4);
+  const std::optional<at::Tensor> q_norm = weights.weight(5), k_norm = weights.weight(6);
   if (q_norm.has_value()) {
     q = rms_norm(q, *q_norm, eps);
     k = rms_norm(k, k_norm.value(), eps);
@@ -120,21 +128,24 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 
   store_kv(k, v, k_cache, v_cache, slot_mapping);
   at::Tensor attended = at::empty_like(q);
-  paged_attention(attended, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale);
+  paged_attention(attended, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window, softcap);
 
-  const at::Tensor projected = apply_linear(kOut, attended.view({T, H * D}), weights, settings);
-  auto [mlp_in, stream] = add_rms_norm(projected, summed, weights.weight(1).value(), eps);
-  const at::Tensor gated = silu_and_mul(apply_linear(kGateUp, mlp_in, weights, settings));
-  return {apply_linear(kDown, gated, weights, settings), stream};
+  at::Tensor projected = apply_linear(kOut, attended.view({T, H * D}), weights, settings);
+  if (sandwich) projected = rms_norm(projected, weights.weight(1).value(), eps);
+  auto [mlp_in, stream] = add_rms_norm(projected, summed, weights.weight(sandwich ? 2 : 1).value(), eps);
+  const at::Tensor gate_up = apply_linear(kGateUp, mlp_in, weights, settings);
+  const at::Tensor gated = activation == kSilu ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+  const at::Tensor down = apply_linear(kDown, gated, weights, settings);
+  return {sandwich ? rms_norm(down, weights.weight(3).value(), eps) : down, stream};
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions, const Weights& weights,
-    at::IntArrayRef settings, double eps, double scale, at::TensorList k_caches, at::TensorList v_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
-    const at::Tensor& block_tables) {
+    at::IntArrayRef settings, double eps, double scale, double softcap, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& context_lens, const at::Tensor& block_tables) {
   const int64_t layers = int64_t(k_caches.size());
   TORCH_CHECK(layers > 0 && int64_t(v_caches.size()) == layers, "decoder_layers: a K and a V cache a layer");
   TORCH_CHECK(int64_t(weights.size()) == layers * kWeights && int64_t(settings.size()) == layers * kSettings,
@@ -147,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     // The caches are written in place: these handles share their storage.
     at::Tensor k_cache = k_caches[layer], v_cache = v_caches[layer];
     std::tie(h, r) = decoder_layer(h, r, positions, LayerWeights{weights, layer * kWeights},
-                                   settings.slice(layer * kSettings, kSettings), eps, scale, k_cache, v_cache,
+                                   settings.slice(layer * kSettings, kSettings), eps, scale, softcap, k_cache, v_cache,
                                    slot_mapping, cu_seqlens_q, context_lens, block_tables);
   }
   return {h, r};

@@ -41,7 +41,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               const at::Tensor& slot_mapping);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
-                     double scale);
+                     double scale, int64_t window, double softcap);
 
 // sampling.cpp
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms);
@@ -49,6 +49,7 @@ void mask_disallowed(at::Tensor& logits, const at::Tensor& bitmask);
 
 // elementwise.cpp
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps);
@@ -57,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
     const c10::List<std::optional<at::Tensor>>& weights, at::IntArrayRef settings, double eps, double scale,
-    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q,
+    double softcap, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& cu_seqlens_q,
     const at::Tensor& context_lens, const at::Tensor& block_tables);
 
 }  // namespace nanovllm_cpu

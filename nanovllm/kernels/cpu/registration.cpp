@@ -25,14 +25,15 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("gguf_repack(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
-        "Tensor context_lens, Tensor block_tables, float scale) -> ()");
+        "Tensor context_lens, Tensor block_tables, float scale, int window, float softcap) -> ()");
   m.def("sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms) -> Tensor");
   m.def("mask_disallowed(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("decoder_layers(Tensor hidden, Tensor residual, Tensor positions, Tensor?[] weights, int[] settings, "
-        "float eps, float scale, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
+        "float eps, float scale, float softcap, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
         "Tensor cu_seqlens_q, Tensor context_lens, Tensor block_tables) -> (Tensor, Tensor)");
   m.def("isa() -> str", [] { return std::string(nanovllm_cpu::simd::kIsa); });
   // Whether the kernel granted this process the AMX tiles (an `amx` build without them runs its
@@ -60,6 +61,7 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("sample_rows", &nanovllm_cpu::sample_rows);
   m.impl("mask_disallowed", &nanovllm_cpu::mask_disallowed);
   m.impl("silu_and_mul", &nanovllm_cpu::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &nanovllm_cpu::gelu_tanh_and_mul);
   m.impl("rms_norm", &nanovllm_cpu::rms_norm);
   m.impl("add_rms_norm", &nanovllm_cpu::add_rms_norm);
   m.impl("decoder_layers", &nanovllm_cpu::decoder_layers);
