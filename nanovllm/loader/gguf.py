@@ -35,7 +35,11 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
 logger = logging.getLogger(__name__)
 
 # GGUF architecture -> the Hugging Face architecture (model class) its config names.
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# The transformers config type of each, where it is not the GGUF architecture's name.
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_GEMMA = ("gemma2", "gemma3")
 
 _SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
@@ -57,7 +61,18 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's norms around both blocks: llama.cpp's ffn_norm is its pre-feedforward norm there.
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+# llama.cpp's converter stores Gemma's norm weights as 1 + w (ggml multiplies by the weight as it
+# is); the reader gives back HF's w, which the model's norms offset again.
+_GEMMA_NORM_OFFSET = 1.0
+# Which layers slide when the file does not say (`attention.sliding_window_pattern`): every
+# n-th layer is global, as llama.cpp sets them.
+_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
+# Gemma 3's local layers' RoPE base when the file does not say (llama.cpp's fixed value).
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 # Chat-template tokens that end an assistant turn; generation must stop on them even when the
 # file's eos id is a different token.
@@ -98,7 +113,8 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     """The Hugging Face config described by the file's metadata.
 
     A plain `PretrainedConfig` holding every field the models read, with the values LlamaConfig,
-    Qwen2Config or Qwen3Config would give them (the tests hold it to those classes): importing
+    Qwen2Config, Qwen3Config, Gemma2Config or Gemma3TextConfig would give them (the tests hold it
+    to those classes): importing
     those classes pulls in transformers' activations and torch.distributed.tensor, most of a
     warm start's config time (benchmarks/RESULTS.md).
     """
@@ -115,7 +131,8 @@ def transformers_config(config: PretrainedConfig) -> PretrainedConfig:
     """`config` as its architecture's own transformers class (LlamaConfig, ...), for building
     transformers' model of a GGUF file (the benchmark's reference engine, tests)."""
     from transformers import AutoConfig
-    model_type = next(arch for arch, name in _ARCHITECTURES.items() if name == config.architectures[0])
+    arch = next(arch for arch, name in _ARCHITECTURES.items() if name == config.architectures[0])
+    model_type = _MODEL_TYPES.get(arch, arch)
     fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}  # the generic class's is ""
     return AutoConfig.for_model(model_type, **fields)
 
@@ -127,25 +144,25 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // n_heads)
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings are not supported")
-    extra = {}
+    layers = meta[f"{arch}.block_count"]
+    extra = {"rope_parameters": _rope_parameters(meta, arch)}
     if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
         extra["mlp_bias"] = False
+    extra |= _gemma_fields(meta, arch, hidden, n_heads, head_dim, layers) if arch in _GEMMA else {"hidden_act": "silu"}
     return PretrainedConfig(
         architectures=[_ARCHITECTURES[arch]],
-        hidden_act="silu",
         # The embedding's row count, not tokenizer metadata, is what the weights must match.
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
-        num_hidden_layers=meta[f"{arch}.block_count"],
+        num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", n_heads),
         head_dim=head_dim,
         max_position_embeddings=meta[f"{arch}.context_length"],
         rms_norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
-        rope_parameters=_rope_parameters(meta, arch),
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
@@ -153,13 +170,36 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def _gemma_fields(meta: dict[str, Any], arch: str, hidden: int, n_heads: int, head_dim: int, layers: int) -> dict:
+    """Gemma 2/3's config fields as llama.cpp reads the file: which layers slide (the file's
+    pattern, a period or a flag a layer, else the architecture's), the window, softcaps, and
+    Gemma 3's RoPE per kind of layer (the local layers' own base)."""
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _SLIDING_PERIOD[arch])
+    sliding = [i % pattern < pattern - 1 for i in range(layers)] if isinstance(pattern, int) else list(pattern)
+    fields = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        # llama.cpp scales q.k by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads) for the 27B models
+        # (46 and 62 layers): what their HF configs' query_pre_attn_scalar states.
+        "query_pre_attn_scalar": hidden // n_heads if layers == {"gemma2": 46, "gemma3": 62}[arch] else head_dim,
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)}
+        fields["rope_parameters"] = {"full_attention": _rope_parameters(meta, arch), "sliding_attention": local}
+    return fields
+
+
+def _hf_name(gguf_name: str, arch: str) -> str:
     match = _TENSOR_NAME.fullmatch(gguf_name)
     layer, base, kind = match.groups() if match else (None, None, None)
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
     if match and layer is None and base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
-    if match and layer is not None and base in _LAYER_NAMES:
-        return f"model.layers.{layer}.{_LAYER_NAMES[base]}.{kind}"
+    if match and layer is not None and base in layer_names:
+        return f"model.layers.{layer}.{layer_names[base]}.{kind}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
 
 
@@ -173,8 +213,9 @@ def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def gguf_block_types(path: str) -> dict[str, str]:
     """HF name -> GGML type of the file's weight matrices stored in a format the engine can keep
     in blocks (loader/quantized.py)."""
-    tensors = _read(path).tensors.values()
-    return {_hf_name(t.name): t.tensor_type.name for t in tensors
+    gguf_file = _read(path)
+    arch = _architecture(gguf_file.metadata)
+    return {_hf_name(t.name, arch): t.tensor_type.name for t in gguf_file.tensors.values()
             if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2}
 
 
@@ -192,7 +233,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
     meta = gguf_file.metadata
     arch = _architecture(meta)
     for t in gguf_file.tensors.values():
-        _hf_name(t.name)
+        _hf_name(t.name, arch)
         if t.tensor_type not in _SUPPORTED_TYPES:
             supported = ", ".join(sorted(q.name for q in _SUPPORTED_TYPES))
             raise ValueError(
@@ -201,7 +242,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
     n_heads = meta.get(f"{arch}.attention.head_count")
     permuted_heads = {"attn_q": n_heads, "attn_k": meta.get(f"{arch}.attention.head_count_kv", n_heads)}
     for t in gguf_file.tensors.values():
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name in blocks:
             if blocks[name] != t.tensor_type.name:
                 raise ValueError(f"GGUF tensor {t.name!r} is {t.tensor_type.name}, not {blocks[name]}")
@@ -218,6 +259,8 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
                 tensor.blocks = _unpermute_rows(tensor.blocks, permuted_heads[base])
             else:
                 tensor = _unpermute_rows(tensor, permuted_heads[base])
+        if arch in _GEMMA and name.endswith("norm.weight"):
+            tensor = tensor - _GEMMA_NORM_OFFSET
         yield name, tensor
 
 

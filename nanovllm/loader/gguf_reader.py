@@ -3,9 +3,10 @@ data lies in the file's memory map.
 
 `gguf.GGUFReader` builds a numpy view of every field, one element at a time, including each of
 the tokenizer's tens of thousands of vocabulary strings and merges: seconds on every start-up.
-This walks the header once with `struct`, skipping array fields (the tokenizer reads those
-itself), and gives tensors the same data views as gguf-py's reader (the format's layout; gguf
-stays the reference in the tests).
+This walks the header once with `struct`, skipping arrays of strings and long arrays (the
+tokenizer reads those itself) but keeping short arrays of numbers (a value a layer, such as which
+layers slide), and gives tensors the same data views as gguf-py's reader (the format's layout;
+gguf stays the reference in the tests).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class GGUFHeader:
 
 
 _U64 = struct.Struct("<Q")
+# Arrays of numbers up to this long are read as lists (per-layer settings); longer ones skipped.
+_MAX_READ_ARRAY = 4096
 
 
 class _Cursor:
@@ -65,6 +68,15 @@ class _Cursor:
         text = bytes(self.buffer[self.offset:self.offset + length]).decode("utf-8")
         self.offset += length
         return text
+
+    def short_number_array(self) -> list | None:
+        """At an array's value: a short array of numbers as a list; else None, the cursor left there."""
+        element_type, count = GGUFValueType(struct.unpack_from("<I", self.buffer, self.offset)[0]), \
+            struct.unpack_from("<Q", self.buffer, self.offset + 4)[0]
+        if element_type not in _SCALARS or count > _MAX_READ_ARRAY:
+            return None
+        self.offset += 12
+        return [self.unpack(_SCALARS[element_type]) for _ in range(count)]
 
     def skip_value(self, value_type: GGUFValueType) -> None:
         if value_type == GGUFValueType.STRING:
@@ -115,6 +127,8 @@ def _parse(path: str, mapped: mmap.mmap) -> GGUFHeader:
             metadata[name] = cursor.string()
         elif value_type in _SCALARS:
             metadata[name] = cursor.unpack(_SCALARS[value_type])
+        elif value_type == GGUFValueType.ARRAY and (array := cursor.short_number_array()) is not None:
+            metadata[name] = array
         else:
             cursor.skip_value(value_type)
     infos = []
