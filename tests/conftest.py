@@ -89,6 +89,7 @@ MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
 
 TINY_CONFIG = dict(

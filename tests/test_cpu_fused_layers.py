@@ -1,7 +1,7 @@
 """Decoder layers as one kernel call (platforms/cpu_fused_layers.py): in bf16 on the SIMD
 kernels, the layers of every family (Llama, Qwen2's q/k/v bias, Qwen3's q/k norm, Mistral's
 sliding window, Gemma 2's sandwich norms, tanh GELU, softcaps and alternating windows, Gemma 3's
-local and global layers), on packed bf16 or GGUF block weights, run fused and return the eager
+local and global layers, Phi-4-mini's partial rotary LongRoPE), on packed bf16 or GGUF block weights, run fused and return the eager
 layer's output bit for bit, step after step: prefill, decode and mixed steps give eager's tokens
 and log-probabilities exactly."""
 
@@ -41,6 +41,9 @@ FAMILIES = {
     "mistral-window": ("MistralForCausalLM", {"sliding_window": 20}),
     "gemma2": ("Gemma2ForCausalLM", dict(GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     "gemma3": ("Gemma3ForCausalLM", dict(GEMMA, layer_types=["sliding_attention", "full_attention"])),
+    "phi4-mini": ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75, original_max_position_embeddings=32, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
+        "long_factor": [2.0, 3.0, 5.0] * 2})),
 }
 
 

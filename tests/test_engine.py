@@ -34,6 +34,12 @@ ARCHS = {
     "mistral-window": ("MistralForCausalLM", dict(sliding_window=20)),
     "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=20,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # Packed q/k/v and gate/up in the checkpoint, LongRoPE (short factors: transformers takes the
+    # long ones for every position of a sequence past the original context), partial rotary.
+    "phi4-mini-window": ("Phi3ForCausalLM", dict(
+        partial_rotary_factor=0.75, sliding_window=20, original_max_position_embeddings=512,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
+                         "long_factor": [2.0, 3.0, 5.0] * 2})),
     "gemma3": ("Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=24, sliding_window=20, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},

@@ -271,11 +271,10 @@ def test_rope_scaling(tmp_path, scaling, expected):
     assert config.rope_parameters == {"rope_theta": 10000.0, **expected}
 
 
-def test_unsupported_rope_variants(tmp_path):
+def test_partial_rotary_and_unsupported_rope_variants(tmp_path):
     hf = _tiny_model(np.random.default_rng(0))
     partial = _write_tiny(tmp_path / "partial.gguf", "llama", hf, key_length=16, rope_dims=8)
-    with pytest.raises(ValueError, match="partial rotary"):
-        load_gguf_config(partial)
+    assert load_gguf_config(partial).partial_rotary_factor == 0.5
     # Llama 3.x files carry their rope scaling as a per-frequency tensor, not as metadata.
     tensors = {_gguf_name(k): (v, None) for k, v in hf.items()} | {"rope_freqs.weight": (np.ones(8, np.float32), None)}
     llama3 = _write_gguf(tmp_path / "llama3.gguf", "llama", tensors)
@@ -304,14 +303,16 @@ def test_names_and_qk_unpermutation_round_trip(tmp_path, arch):
 
 
 _GGUF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                       "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+                       "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+_PHI3_TO_GGUF = {**_TO_GGUF, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def _convert_as_llama_cpp(hf_path, path) -> str:
     """An HF checkpoint written as llama.cpp's converter writes it (in F32): its architecture
-    string, metadata and tensor names, llama's q/k rows permuted, Gemma's norms stored as 1 + w."""
+    string, metadata and tensor names, llama's q/k rows permuted, Gemma's norms stored as 1 + w,
+    Phi-3's LongRoPE factors as tensors."""
     from nanovllm.loader.safetensors import iter_safetensors
 
     config = transformers.AutoConfig.from_pretrained(hf_path)
@@ -335,6 +336,12 @@ def _convert_as_llama_cpp(hf_path, path) -> str:
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":
+        w.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
+        w.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        w.add_sliding_window(config.sliding_window)
+        for key in ("short", "long"):
+            w.add_tensor(f"rope_factors_{key}.weight", np.array(rope[f"{key}_factor"], dtype=np.float32))
     if gemma:
         w.add_sliding_window(config.sliding_window)
         w.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
@@ -350,7 +357,8 @@ def _convert_as_llama_cpp(hf_path, path) -> str:
             gguf_name = f"{names[module]}.{kind}"
         else:
             layer, sub = module.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{(_GEMMA_TO_GGUF if gemma else _TO_GGUF)[sub]}.{kind}"
+            table = _GEMMA_TO_GGUF if gemma else _PHI3_TO_GGUF if arch == "phi3" else _TO_GGUF
+            gguf_name = f"blk.{layer}.{table[sub]}.{kind}"
         if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_attention_heads if sub == "self_attn.q_proj" else config.num_key_value_heads
             array = _llama_cpp_permute(array, heads)
@@ -370,6 +378,10 @@ _CONVERTED = {
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
     "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=7,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "phi4-mini": ("Phi3ForCausalLM", dict(
+        partial_rotary_factor=0.75, sliding_window=7, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
+                         "long_factor": [2.0, 3.0, 5.0] * 2})),
     "gemma3": ("Gemma3ForCausalLM", dict(
         head_dim=16, query_pre_attn_scalar=16, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
@@ -393,6 +405,8 @@ def test_a_checkpoint_converted_as_llama_cpp_does_gives_transformers_logits(tmp_
     config = load_gguf_config(path)
     hf_config = transformers.AutoConfig.from_pretrained(hf_path)
     fields = ["tie_word_embeddings", "num_key_value_heads", "intermediate_size"]
+    if family.startswith("phi"):
+        fields += ["sliding_window", "partial_rotary_factor", "original_max_position_embeddings", "rope_parameters"]
     if family.startswith("gemma"):
         fields += ["sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
                    "final_logit_softcapping", "hidden_activation", "rope_parameters"]

@@ -114,10 +114,30 @@ def test_qkv_rejects_indivisible_heads(num_heads, num_kv_heads, world_size, name
         QKVParallelLinear(8, 2, num_heads, num_kv_heads, tp_group=TPGroup(0, world_size))
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_checkpoint_tensor_packed_already_loads_as_its_projections(world_size):
+    """Phi-3 stores q/k/v and gate/up packed: handed whole (no shard id), each rank takes the same
+    rows as from the projections handed one by one."""
+    qkv, gate_up = torch.randn(16, 8), torch.randn(12, 4)
+    for g in ranks(world_size):
+        whole, parts = (QKVParallelLinear(8, 2, 4, 2, tp_group=g) for _ in range(2))
+        load(whole, "weight", qkv)
+        for shard, rows in zip("qkv", qkv.split([8, 4, 4])):
+            load(parts, "weight", rows, shard)
+        assert torch.equal(whole.weight, parts.weight)
+        whole, parts = (MergedColumnParallelLinear(4, [6, 6], tp_group=g) for _ in range(2))
+        load(whole, "weight", gate_up)
+        for shard, rows in enumerate(gate_up.split([6, 6])):
+            load(parts, "weight", rows, shard)
+        assert torch.equal(whole.weight, parts.weight)
+
+
 def test_packed_loaders_reject_bad_shards_and_shapes():
     layer = QKVParallelLinear(8, 2, 4, 2, tp_group=SINGLE)
     with pytest.raises(ValueError, match="'q', 'k' or 'v'"):
-        load(layer, "weight", torch.randn(8, 8))
+        load(layer, "weight", torch.randn(8, 8), "x")
+    with pytest.raises(ValueError, match=r"a packed tensor of 16 rows \(8 \+ 4 \+ 4\) expected, got 8"):
+        load(layer, "weight", torch.randn(8, 8))  # no shard: the whole q/k/v
     with pytest.raises(ValueError, match="expected shape"):
         load(layer, "weight", torch.randn(8, 8), "k")
     merged = MergedColumnParallelLinear(4, [6, 6], tp_group=TPGroup(0, 2))
@@ -214,5 +234,37 @@ def test_rope_parameters_from_legacy_config():
 
 
 def test_rope_rejects_unsupported_type():
-    with pytest.raises(ValueError, match="longrope.*default, linear, llama3, yarn"):
-        get_rope(64, 128, {"rope_type": "longrope", "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="'dynamic'.*default, linear, llama3, yarn, longrope"):
+        get_rope(64, 128, {"rope_type": "dynamic", "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="longrope needs 12 short and long factors"):
+        get_rope(32, 128, {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 11,
+                           "long_factor": [1.0] * 12, "original_max_position_embeddings": 64,
+                           "partial_rotary_factor": 0.75})
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_longrope_and_partial_rotary_match_transformers_phi3(partial):
+    """Phi-3's LongRoPE (Phi-4-mini's with 3/4 of each head rotated): positions within the
+    original context take the short factors, past it the long ones, as transformers' own
+    rotation of a sequence that short or that long does."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply
+
+    head_dim, heads, original, max_pos = 32, 2, 64, 256
+    pairs = int(head_dim * partial) // 2
+    gen = torch.Generator().manual_seed(0)
+    factors = {name: (1 + torch.rand(pairs, generator=gen) * 3).tolist() for name in ("short_factor", "long_factor")}
+    config = Phi3Config(hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=heads,
+                        max_position_embeddings=max_pos, original_max_position_embeddings=original,
+                        partial_rotary_factor=partial, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                        **factors})
+    rope = get_rope(head_dim, max_pos, rope_parameters_from_config(config))
+    for positions in (torch.arange(original), torch.arange(original, max_pos)):
+        q, k = torch.randn(len(positions), heads * head_dim), torch.randn(len(positions), heads * head_dim)
+        q_out, k_out = rope(positions, q, k)
+        cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
+        q_ref, k_ref = phi3_apply(q.view(1, -1, heads, head_dim).transpose(1, 2),
+                                  k.view(1, -1, heads, head_dim).transpose(1, 2), cos, sin)
+        torch.testing.assert_close(q_out, q_ref.transpose(1, 2).reshape(q.shape), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k_out, k_ref.transpose(1, 2).reshape(k.shape), atol=1e-5, rtol=1e-5)

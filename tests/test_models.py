@@ -18,7 +18,7 @@ from conftest import hf_logits, make_tiny_checkpoint, make_tiny_config, our_logi
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.loader.safetensors import iter_safetensors, safetensors_files
 from nanovllm.loader.weights import load_weights
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+from nanovllm.models.registry import get_model_class, supported_architectures
 
 
 def build(path, tp_group: TPGroup = SINGLE):
@@ -41,6 +41,16 @@ CASES = {
     "mistral_sliding_window": ("MistralForCausalLM", dict(sliding_window=7)),
     "qwen2_sliding_window_past_max_window_layers": ("Qwen2ForCausalLM", dict(
         use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    # Prompts within the original context (transformers moves every position of a longer sequence
+    # to the long factors; test_layers holds each range's rotation to transformers').
+    "phi3_longrope_window": ("Phi3ForCausalLM", dict(
+        original_max_position_embeddings=32, sliding_window=7,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0] * 2,
+                         "long_factor": [2.0, 3.0, 5.0, 8.0] * 2})),
+    "phi4_mini_partial_rotary_tied": ("Phi3ForCausalLM", dict(
+        partial_rotary_factor=0.75, tie_word_embeddings=True, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
+                         "long_factor": [2.0, 3.0, 5.0] * 2})),
     "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=7,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                                          tie_word_embeddings=True)),
@@ -116,7 +126,7 @@ def test_untied_model_requires_lm_head(qwen3_path):
 def test_unknown_architecture_lists_supported(qwen3_path):
     config = AutoConfig.from_pretrained(qwen3_path)
     config.architectures = ["GPT2LMHeadModel"]
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*" + ", ".join(SUPPORTED_ARCHITECTURES)):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*" + ", ".join(supported_architectures())):
         get_model_class(config)
 
 

@@ -5,7 +5,9 @@ the output and no communication is needed. Row-parallel layers split the input d
 (weight columns): each rank computes a partial sum, all-reduced over the group, with the
 bias added on rank 0 only so it is counted once. Packed layers (gate/up, q/k/v) hold
 several projections in one weight and cut each checkpoint tensor twice: first which
-projection (offset in the packed weight), then which rank (chunk of that projection).
+projection (offset in the packed weight), then which rank (chunk of that projection). A
+checkpoint that stores them packed already (Phi-3's qkv_proj and gate_up_proj) hands the whole
+tensor without a shard id: the layer splits it into its projections first.
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which takes
 the full (unsharded) checkpoint tensor and copies this rank's part, converting dtype.
@@ -52,6 +54,18 @@ def _make_params(module: nn.Module, input_size: int, output_size: int, bias: boo
     module.linear_method.create_weights(module, input_size, output_size, bias)
 
 
+def load_packed(layer: nn.Module, param: nn.Parameter, loaded_weight: torch.Tensor, sizes: dict[object, int]) -> None:
+    """A checkpoint tensor holding every projection of a packed layer, one after another along dim
+    0 (`sizes`: each shard's unsharded rows, in order), loaded shard by shard."""
+    if loaded_weight.shape[0] != sum(sizes.values()):
+        raise ValueError(f"a packed tensor of {sum(sizes.values())} rows ({' + '.join(map(str, sizes.values()))}) "
+                         f"expected, got {loaded_weight.shape[0]}")
+    offset = 0
+    for shard_id, size in sizes.items():
+        layer.weight_loader(param, loaded_weight.narrow(0, offset, size), shard_id)
+        offset += size
+
+
 class ReplicatedLinear(nn.Module):
     """Every rank holds the whole weight."""
 
@@ -95,6 +109,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], *, tp_group: TPGroup, bias: bool = False,
                  linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
+        self.output_sizes = list(output_sizes)
         self.sizes_per_rank = [divide(s, tp_group.world_size, "output size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), tp_group=tp_group, bias=bias, linear_methods=linear_methods,
                          prefix=prefix)
@@ -106,6 +121,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return sum(self.sizes_per_rank[:shard_id]), self.sizes_per_rank[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            load_packed(self, param, loaded_weight, dict(enumerate(self.output_sizes)))
+            return
         dst = param.data.narrow(0, *self.output_slice(shard_id))
         copy_chunk(dst, loaded_weight, 0, self.tp_group.rank, self.tp_group.world_size)
 
@@ -123,6 +141,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  prefix: str = ""):
         tp = tp_group.world_size
         self.head_dim = head_dim
+        self.num_heads_total, self.num_kv_heads_total = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp, "num_attention_heads")
         if tp >= num_kv_heads:
             if tp % num_kv_heads:
@@ -146,6 +165,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         return slices[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            load_packed(self, param, loaded_weight, {"q": self.num_heads_total * self.head_dim,
+                                                     "k": self.num_kv_heads_total * self.head_dim,
+                                                     "v": self.num_kv_heads_total * self.head_dim})
+            return
         offset, size = self.output_slice(shard_id)
         if shard_id == "q":
             index, num_chunks = self.tp_group.rank, self.tp_group.world_size

@@ -2,8 +2,15 @@
 
 Owns reading RoPE settings from an HF config (both the transformers 5.x `rope_parameters`
 form and the 4.x `rope_theta` + `rope_scaling` form), the inverse frequencies of each
-supported scaling type, and a precomputed fp32 cos/sin cache indexed by position. On CUDA
-(Triton) one kernel rotates q and k.
+supported scaling type, and a precomputed fp32 cos/sin cache indexed by position. A partial
+rotary embedding (`partial_rotary_factor` < 1, Phi-4-mini) rotates the first rotary_dim dims of
+each head and passes the rest through. On CUDA (Triton) one kernel rotates q and k.
+
+LongRoPE (Phi-3) scales the frequencies by its short factors up to the original context and by
+its long ones past it. Transformers switches every position of a sequence to the long factors
+once the sequence outgrows the original context (its cached keys keep the short ones); here each
+position takes the factors of its own range, the same whatever the sequence's length or batch,
+which equals transformers for every sequence within the original context.
 """
 
 import math
@@ -12,7 +19,7 @@ import torch
 
 from nanovllm.layers.custom_op import CustomOp
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters_from_config(config, layer_type: str | None = None) -> dict:
@@ -27,9 +34,9 @@ def rope_parameters_from_config(config, layer_type: str | None = None) -> dict:
     params["rope_theta"] = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     if getattr(config, "partial_rotary_factor", None) is not None:
         params.setdefault("partial_rotary_factor", config.partial_rotary_factor)
-    if params["rope_type"] in ("llama3", "yarn"):
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings",
-                          getattr(config, "original_max_position_embeddings", config.max_position_embeddings))
+                          getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
     return params
 
 
@@ -71,20 +78,43 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, p: dict, max_position: int)
     return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, attention_factor
 
 
+def _longrope_inv_freq(inv_freq: torch.Tensor, p: dict, max_position: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE: the short and the long factors' inverse frequencies, and the cos/sin scale
+    (sqrt(1 + log(factor) / log(original context)) unless the config gives it)."""
+    old_len = p["original_max_position_embeddings"]
+    short, long = (torch.tensor(p[key], dtype=torch.float32) for key in ("short_factor", "long_factor"))
+    if short.shape != inv_freq.shape or long.shape != inv_freq.shape:
+        raise ValueError(f"longrope needs {inv_freq.numel()} short and long factors (one per rotated pair), "
+                         f"got {short.numel()} and {long.numel()}")
+    factor = p.get("factor") or max_position / old_len
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    return inv_freq / short, inv_freq / long, attention_factor
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    freqs = torch.outer(positions.float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
 class RotaryEmbedding(CustomOp):
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, attention_scale: float = 1.0):
+    """Rotates the first `rotary_dim` dims of each head by the cos|sin row of each position
+    (`cos_sin_cache` [max_position, rotary_dim], fp32)."""
+
+    def __init__(self, head_dim: int, cos_sin_cache: torch.Tensor):
         super().__init__()
         self.head_dim = head_dim
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=inv_freq.device), inv_freq)
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scale
+        self.rotary_dim = cos_sin_cache.shape[1]
         # Derived from the config, never loaded: kept out of the state dict. fp32 on purpose:
         # bf16 cannot resolve the angles of large positions.
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         heads = x.float().view(x.shape[0], -1, self.head_dim)
-        x1, x2 = heads.chunk(2, dim=-1)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        rotary, passed = heads.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        x1, x2 = rotary.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, passed], dim=-1)
         return rotated.to(x.dtype).view(x.shape)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -94,6 +124,8 @@ class RotaryEmbedding(CustomOp):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def forward_cuda(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.rotary_dim != self.head_dim:  # the Triton kernel rotates whole heads
+            return self.forward_native(positions, q, k)
         from nanovllm.kernels import triton_elementwise
         return triton_elementwise.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
 
@@ -103,15 +135,24 @@ def get_rope(head_dim: int, max_position: int, rope_parameters: dict) -> RotaryE
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    # Rotated dims: an even number, as transformers rounds them.
+    dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0)) // 2 * 2
+    if not 0 < dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor={rope_parameters['partial_rotary_factor']} leaves {dim} of "
+                         f"head_dim={head_dim} dims to rotate")
     theta = rope_parameters["rope_theta"]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    positions = torch.arange(max_position)
     attention_scale = 1.0
+    if rope_type == "longrope":
+        short, long, attention_scale = _longrope_inv_freq(inv_freq, rope_parameters, max_position)
+        within = positions < rope_parameters["original_max_position_embeddings"]
+        cache = torch.cat([_cos_sin(positions[within], short), _cos_sin(positions[~within], long)])
+        return RotaryEmbedding(head_dim, cache * attention_scale)
     if rope_type == "linear":
         inv_freq = inv_freq / rope_parameters["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
     elif rope_type == "yarn":
-        inv_freq, attention_scale = _yarn_inv_freq(inv_freq, head_dim, rope_parameters, max_position)
-    return RotaryEmbedding(head_dim, max_position, inv_freq, attention_scale)
+        inv_freq, attention_scale = _yarn_inv_freq(inv_freq, dim, rope_parameters, max_position)
+    return RotaryEmbedding(head_dim, _cos_sin(positions, inv_freq) * attention_scale)

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # GGUF architecture -> the Hugging Face architecture (model class) its config names.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # The transformers config type of each, where it is not the GGUF architecture's name.
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 _GEMMA = ("gemma2", "gemma3")
@@ -51,6 +51,7 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # stored packed (Phi-3)
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
@@ -64,6 +65,10 @@ _LAYER_NAMES = {
 # Gemma's norms around both blocks: llama.cpp's ffn_norm is its pre-feedforward norm there.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3 stores gate and up packed, as llama.cpp's ffn_up.
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
+# LongRoPE's factors, which the file stores as tensors: config, not weights.
+_ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (ggml multiplies by the weight as it
 # is); the reader gives back HF's w, which the model's norms offset again.
@@ -113,7 +118,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     """The Hugging Face config described by the file's metadata.
 
     A plain `PretrainedConfig` holding every field the models read, with the values LlamaConfig,
-    Qwen2Config, Qwen3Config, Gemma2Config or Gemma3TextConfig would give them (the tests hold it
+    Qwen2Config, Qwen3Config, Gemma2Config, Gemma3TextConfig or Phi3Config would give them (the tests hold it
     to those classes): importing
     those classes pulls in transformers' activations and torch.distributed.tensor, most of a
     warm start's config time (benchmarks/RESULTS.md).
@@ -142,10 +147,16 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
         raise ValueError(f"{path}: llama3-style rope scaling (rope_freqs.weight) is not supported")
     hidden, n_heads = meta[f"{arch}.embedding_length"], meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length", hidden // n_heads)
-    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings are not supported")
+    rotary_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
     layers = meta[f"{arch}.block_count"]
     extra = {"rope_parameters": _rope_parameters(meta, arch)}
+    if "rope_factors_long.weight" in tensors:
+        extra["rope_parameters"] = _longrope_parameters(meta, tensors, arch)
+        extra["original_max_position_embeddings"] = extra["rope_parameters"]["original_max_position_embeddings"]
+    if rotary_dims != head_dim:  # where transformers 5 keeps it too: at the top and in the RoPE parameters
+        extra["partial_rotary_factor"] = extra["rope_parameters"]["partial_rotary_factor"] = rotary_dims / head_dim
+    if arch == "phi3":
+        extra["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
     if arch != "qwen2":  # Qwen2 always has q/k/v biases and no switch for them
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
@@ -168,6 +179,17 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         **extra,
     )
+
+
+def _longrope_parameters(meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str) -> dict[str, Any]:
+    """LongRoPE as a Phi-3 file gives it: its short and long factors as tensors."""
+    params: dict[str, Any] = {"rope_type": "longrope", "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+                              "original_max_position_embeddings": meta[f"{arch}.rope.scaling.original_context_length"]}
+    for name, key in _ROPE_FACTOR_TENSORS.items():
+        params[key] = dequantize(tensors[name].data, tensors[name].tensor_type).reshape(-1).tolist()
+    if f"{arch}.rope.scaling.attn_factor" in meta:
+        params["attention_factor"] = meta[f"{arch}.rope.scaling.attn_factor"]
+    return params
 
 
 def _gemma_fields(meta: dict[str, Any], arch: str, hidden: int, n_heads: int, head_dim: int, layers: int) -> dict:
@@ -195,7 +217,7 @@ def _gemma_fields(meta: dict[str, Any], arch: str, hidden: int, n_heads: int, he
 def _hf_name(gguf_name: str, arch: str) -> str:
     match = _TENSOR_NAME.fullmatch(gguf_name)
     layer, base, kind = match.groups() if match else (None, None, None)
-    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     if match and layer is None and base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     if match and layer is not None and base in layer_names:
@@ -216,7 +238,7 @@ def gguf_block_types(path: str) -> dict[str, str]:
     gguf_file = _read(path)
     arch = _architecture(gguf_file.metadata)
     return {_hf_name(t.name, arch): t.tensor_type.name for t in gguf_file.tensors.values()
-            if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2}
+            if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2 and t.name not in _ROPE_FACTOR_TENSORS}
 
 
 def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
@@ -232,7 +254,8 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
     gguf_file = _read(path)
     meta = gguf_file.metadata
     arch = _architecture(meta)
-    for t in gguf_file.tensors.values():
+    weights = [t for t in gguf_file.tensors.values() if t.name not in _ROPE_FACTOR_TENSORS]
+    for t in weights:
         _hf_name(t.name, arch)
         if t.tensor_type not in _SUPPORTED_TYPES:
             supported = ", ".join(sorted(q.name for q in _SUPPORTED_TYPES))
@@ -241,7 +264,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
             )
     n_heads = meta.get(f"{arch}.attention.head_count")
     permuted_heads = {"attn_q": n_heads, "attn_k": meta.get(f"{arch}.attention.head_count_kv", n_heads)}
-    for t in gguf_file.tensors.values():
+    for t in weights:
         name = _hf_name(t.name, arch)
         if name in blocks:
             if blocks[name] != t.tensor_type.name:

@@ -1,10 +1,12 @@
-"""Which model class serves which HF architecture name."""
+"""Which model class serves which HF architecture name. A new family adds its line here (or a
+plugin calls `register_model`)."""
 
 from torch import nn
 
 from nanovllm.models.gemma2 import Gemma2ForCausalLM
 from nanovllm.models.gemma3 import Gemma3ForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.phi3 import Phi3ForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -15,9 +17,19 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,  # the same decoder, its sliding window included
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_MODELS)
+
+
+def register_model(architecture: str, model_class: type[nn.Module]) -> None:
+    """Serve HF architecture name `architecture` with `model_class` (models/decoder.py's
+    DecoderForCausalLM subclass, for a dense decoder)."""
+    _MODELS[architecture] = model_class
 
 
 def get_model_class(hf_config) -> type[nn.Module]:
@@ -25,4 +37,4 @@ def get_model_class(hf_config) -> type[nn.Module]:
     for arch in architectures:
         if arch in _MODELS:
             return _MODELS[arch]
-    raise ValueError(f"unsupported architecture {architectures}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(f"unsupported architecture {architectures}; supported: {', '.join(supported_architectures())}")

@@ -66,10 +66,11 @@ at::Tensor apply_linear(Linear which, const at::Tensor& x, const LayerWeights& w
 
 // heads [T, H, D] (each token's heads contiguous: a slice of the qkv rows, or a norm's output)
 // NeoX-rotated by the fp32 cos|sin row of each token's position: (a, b) -> (a cos - b sin,
-// b cos + a sin), each product rounded on its own as eager's fp32 ops round it.
+// b cos + a sin), each product rounded on its own as eager's fp32 ops round it. A cache narrower
+// than the head (a partial rotary embedding) rotates its first R dims; the rest pass through.
 at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at::Tensor& positions) {
   using namespace simd;
-  const int64_t T = heads.size(0), H = heads.size(1), D = heads.size(2), half = D / 2;
+  const int64_t T = heads.size(0), H = heads.size(1), D = heads.size(2), R = cos_sin.size(1), half = R / 2;
   TORCH_CHECK(heads.stride(2) == 1 && heads.stride(1) == D, "rotated: each token's heads must be contiguous");
   at::Tensor out = at::empty({T, H, D}, heads.options());
   const BFloat16* src = heads.data_ptr<BFloat16>();
@@ -81,7 +82,7 @@ at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at:
     for (int64_t t = begin; t < end; t++) {
       TORCH_CHECK(position[t] >= 0 && position[t] < max_position, "position ", position[t], " is outside the "
                   "RoPE cache of ", max_position);
-      const float* cos = cache + position[t] * D;
+      const float* cos = cache + position[t] * R;
       const float* sin = cos + half;
       for (int64_t h = 0; h < H; h++) {
         const BFloat16* x = src + t * src_stride + h * D;
@@ -93,6 +94,7 @@ at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at:
           store_bf16(y + i, sub(rounded(mul(a, c)), rounded(mul(b, s))), n);
           store_bf16(y + half + i, add(rounded(mul(b, c)), rounded(mul(a, s))), n);
         }
+        std::copy(x + R, x + D, y + R);
       }
     }
   });
@@ -110,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "decoder_layers: activation ", activation,
               " is neither ", kSilu, " (SiLU) nor ", kGeluTanh, " (tanh GELU)");
   const at::Tensor cos_sin = weights.weight(4).value();
-  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.size(1) == D,
-              "decoder_layers: an fp32 [positions, head_dim] cos|sin cache");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.size(1) <= D &&
+                  cos_sin.size(1) % 2 == 0, "decoder_layers: an fp32 [positions, rotary dims <= head_dim] cos|sin cache");
 
   auto [normed, summed] = add_rms_norm(hidden, residual, weights.weight(0).value(), eps);
   const at::Tensor qkv = apply_linear(kQKV, normed, weights, settings);
