@@ -2,6 +2,7 @@
 
 import time
 
+import jinja2
 from tqdm.auto import tqdm
 
 from nanovllm.startup import log_breakdown
@@ -65,13 +66,37 @@ class LLM:
 
 
 def chat_prompt(tokenizer, conversation: list[dict], **template_kwargs) -> dict:
-    """A conversation through the model's chat template, as a prompt the engine takes."""
+    """A conversation through the model's chat template, as a prompt the engine takes.
+
+    A template that rejects a system message (Gemma 2's has no system role) gets the
+    conversation with the system text put before the first user message's, as the templates that
+    take one fold it in (Gemma 3's); any other rejection is the caller's to report."""
     for i, message in enumerate(conversation):
         if isinstance(message, dict) and isinstance(message.get("content"), str):
             check_text(f"messages[{i}].content", message["content"])
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs)
+    except jinja2.TemplateError:
+        folded = _system_folded_into_first_user_message(conversation)
+        if folded is None:
+            raise
+        text = tokenizer.apply_chat_template(folded, tokenize=False, add_generation_prompt=True, **template_kwargs)
     # The template already holds the special tokens the model wants.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _system_folded_into_first_user_message(conversation: list[dict]) -> list[dict] | None:
+    """The conversation without its leading system message, whose text leads the first user
+    message's instead; None where there is no leading system message and a user message after
+    it, both of plain text."""
+    if len(conversation) < 2 or not all(isinstance(m, dict) for m in conversation[:2]):
+        return None
+    system, user = conversation[0], conversation[1]
+    if (system.get("role") != "system" or user.get("role") != "user"
+            or not isinstance(system.get("content"), str) or not isinstance(user.get("content"), str)):
+        return None
+    return [{**user, "content": f"{system['content']}\n\n{user['content']}"}, *conversation[2:]]
 
 
 def _as_prompt_list(prompts) -> list:

@@ -187,6 +187,18 @@ def hf_logits(path, input_ids: torch.Tensor) -> torch.Tensor:
     return hf(input_ids[None]).logits[0]
 
 
+def freed_behind_window(layout, window: int, block_size: int):
+    """`layout` with each sequence's blocks that no query of the step sees (all before its first
+    query's window) marked -1, as the block manager frees them for a model whose every layer slides."""
+    import dataclasses
+    tables = layout.block_tables.clone()
+    first_query = (layout.context_lens - torch.tensor(layout.query_lens, dtype=torch.int32,
+                                                      device=layout.context_lens.device))
+    for i, position in enumerate(first_query.tolist()):
+        tables[i, :max(0, position - window + 1) // block_size] = -1
+    return dataclasses.replace(layout, block_tables=tables)
+
+
 def triton_skip_reason() -> str | None:
     """Why Triton kernels cannot run in this process (None when they can: on CUDA, or on CPU
     under the interpreter)."""

@@ -154,6 +154,7 @@ TINY_TWINS = {  # the table's fields at a test's size; qwen3's head_dim is not h
     "tiny-llama": bench_twins.TwinShape("llama", 64, 128, 2, 4, 2, 16, 320, 10000.0, 1e-5, 256, True),
     "tiny-qwen2": bench_twins.TwinShape("qwen2", 64, 128, 2, 4, 2, 16, 320, 10000.0, 1e-6, 256, True),
     "tiny-qwen3": bench_twins.TwinShape("qwen3", 64, 128, 2, 4, 2, 32, 320, 10000.0, 1e-6, 256, False),
+    "tiny-gemma3": bench_twins.TwinShape("gemma3", 64, 128, 2, 4, 2, 32, 320, 10000.0, 1e-6, 256, True, 8),
 }
 
 
@@ -174,10 +175,12 @@ def test_a_twin_has_its_shape_and_runs_in_the_engine(twin_cache, name):
     assert path == str(twin_cache / f"{name}-F16.gguf") and os.listdir(twin_cache) == [f"{name}-F16.gguf"]
     config = load_gguf_config(path)
     assert config.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                     "qwen3": "Qwen3ForCausalLM"}[shape.architecture]]
+                                     "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[shape.architecture]]
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim, config.vocab_size, config.rope_parameters["rope_theta"],
-            config.rms_norm_eps, config.max_position_embeddings, config.tie_word_embeddings) == \
+            config.num_key_value_heads, config.head_dim, config.vocab_size, rope["rope_theta"],
+            config.rms_norm_eps, config.max_position_embeddings, config.tie_word_embeddings,
+            getattr(config, "sliding_window", None)) == \
         pytest.approx(dataclasses.astuple(shape)[1:])  # the file's floats are float32
     weights = dict(iter_gguf_weights(path))
     hidden, q, kv = shape.hidden_size, shape.num_attention_heads * shape.head_dim, 2 * shape.head_dim
@@ -186,8 +189,11 @@ def test_a_twin_has_its_shape_and_runs_in_the_engine(twin_cache, name):
              "mlp.gate_proj.weight": (128, hidden), "mlp.up_proj.weight": (128, hidden),
              "mlp.down_proj.weight": (hidden, 128), "input_layernorm.weight": (hidden,),
              "post_attention_layernorm.weight": (hidden,)}
+    gemma3 = {"self_attn.q_norm.weight": (32,), "self_attn.k_norm.weight": (32,),
+              "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,)}
     layer |= {"qwen2": {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)},
-              "qwen3": {"self_attn.q_norm.weight": (32,), "self_attn.k_norm.weight": (32,)}}.get(shape.architecture, {})
+              "qwen3": {"self_attn.q_norm.weight": (32,), "self_attn.k_norm.weight": (32,)},
+              "gemma3": gemma3}.get(shape.architecture, {})
     expected = {"model.embed_tokens.weight": (320, hidden), "model.norm.weight": (hidden,)}
     expected |= {} if shape.tie_word_embeddings else {"lm_head.weight": (320, hidden)}
     expected |= {f"model.layers.{i}.{k}": v for i in range(2) for k, v in layer.items()}
@@ -233,7 +239,8 @@ def test_twins_are_cached_by_shape_and_type(monkeypatch, tmp_path):
 def test_the_shapes_are_the_real_models():
     # Each model's published parameter count (safetensors' total, the tied embedding once).
     real = {"smollm2-135m": 134_515_008, "smollm2-1.7b": 1_711_376_384, "qwen3-0.6b": 596_049_920,
-            "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768}
+            "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "gemma-3-1b": 999_885_952,
+            "gemma-3-1b-as-llama": 999_885_952 - 26 * (2 * 1152 + 2 * 256)}  # less Gemma's extra norms
     assert {name: sum(map(math.prod, bench_twins.tensor_shapes(shape).values()))
             for name, shape in bench_twins.SHAPES.items()} == real
     shapes = bench_twins.tensor_shapes(bench_twins.SHAPES["qwen2.5-0.5b"])

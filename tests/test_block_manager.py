@@ -1,8 +1,9 @@
-"""Block manager: allocation, ref counts, the hash-chained prefix cache and LRU reuse."""
+"""Block manager: allocation, ref counts, the hash-chained prefix cache and LRU reuse, and the
+blocks freed behind a sliding window."""
 
 import pytest
 
-from nanovllm.engine.block_manager import BlockManager, block_hash
+from nanovllm.engine.block_manager import FREED, BlockManager, block_hash
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -127,3 +128,37 @@ def test_shared_block_returns_to_pool_only_when_last_holder_frees(free_order):
     bm.free(seqs[free_order[1]])
     assert shared in bm.free_blocks
     bm.check_invariants([])
+
+
+def test_blocks_that_left_every_window_go_back_to_the_pool_in_place():
+    """Window 6, blocks of 4: with 17 positions computed the next query (position 17) sees 12-17,
+    so blocks 0-2 (positions 0-11) are freed, their places kept as FREED and their hashes cached;
+    a shared block stays with its other holder; freeing the rest later skips the FREED places."""
+    bm = BlockManager(12, BS, sliding_window=6)
+    a, b = make_seq(range(17)), make_seq(range(17))
+    prefill(bm, a)
+    prefill(bm, b)  # shares blocks 0-3 with a
+    shared = a.block_table[0]
+    bm.free_out_of_window(a)
+    assert a.block_table[:3] == [FREED] * 3 and FREED not in a.block_table[3:]
+    assert bm.blocks[shared].ref_count == 1  # still b's
+    bm.check_invariants([a, b])
+    bm.free_out_of_window(b)
+    assert bm.blocks[shared].ref_count == 0 and bm.blocks[shared].hash is not None  # pooled, still cached
+    assert bm.num_free_blocks == 12 - 2 - 1  # a's and b's last blocks, and block 3 both share
+    bm.check_invariants([a, b])
+    c = make_seq(range(17))
+    assert prefill(bm, c) == 16  # the freed blocks still serve a prefix hit
+    for seq in (a, b, c):
+        bm.free(seq)
+    assert bm.num_free_blocks == 12
+    bm.check_invariants([])
+
+
+def test_without_a_window_nothing_is_freed_early():
+    bm = BlockManager(12, BS)
+    a = make_seq(range(17))
+    prefill(bm, a)
+    table = list(a.block_table)
+    bm.free_out_of_window(a)
+    assert a.block_table == table

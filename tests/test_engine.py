@@ -292,3 +292,22 @@ def test_cpu_threads_come_from_the_option_the_environment_or_the_usable_cpus(tmp
             EngineConfig(path, num_threads=0)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(tmp_path):
+    """Mistral-style (every layer a window of 20): four prompts of 300 tokens, which whole would
+    need 20 blocks each, run side by side in a pool of 32 without a preemption, since each holds
+    only the blocks its window still sees, and give transformers' tokens. A model with global
+    layers (Gemma 3) keeps every block."""
+    path = make_tiny_checkpoint(tmp_path / "mistral", "MistralForCausalLM", sliding_window=20,
+                                max_position_embeddings=512)
+    prompts = random_prompts([300] * 4, seed=3)
+    llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=32, max_model_len=512,
+              max_num_batched_tokens=64)
+    assert llm.llm_engine.block_manager.sliding_window == 20
+    assert greedy(llm, prompts) == hf_greedy(path, prompts)
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] == 0 and metrics["num_free_blocks"] == 32
+    gemma = make_tiny_checkpoint(tmp_path / "gemma", "Gemma3ForCausalLM", head_dim=16, sliding_window=20,
+                                 layer_types=["sliding_attention", "full_attention"])
+    assert LLM(str(gemma), dtype="float32", device=DEVICE, num_kvcache_blocks=32).llm_engine.block_manager.sliding_window is None

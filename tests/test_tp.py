@@ -98,7 +98,7 @@ TP_CASES = {
     "gemma2-window": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
                                                 attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     # q/k/v and gate/up packed in the checkpoint: each rank cuts its rows of each projection.
-    "phi3-packed": ("Phi3ForCausalLM", dict(sliding_window=12)),
+    "phi3-packed": ("Phi3ForCausalLM", {}),
     # Local and global layers, each with its own RoPE.
     "gemma3-window": ("Gemma3ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
                                                 layer_types=["sliding_attention", "full_attention"])),

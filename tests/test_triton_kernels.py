@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import triton_skip_reason
+from conftest import freed_behind_window, triton_skip_reason
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -104,9 +104,13 @@ def test_matches_portable_backend(seqs, heads, block_size):
 @pytest.mark.parametrize("window,softcap", [(7, 0.0), (33, 0.0), (0, 2.0), (20, 1.5)])
 @pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decode"])
 def test_windowed_and_capped_attention_matches_portable_backend(seqs, window, softcap):
+    """With the blocks behind each window freed (-1 in the tables), as the block manager frees
+    them where every layer slides."""
     heads = (4, 2, 24)
-    inputs = paged_inputs(seqs, *heads, 16)
-    (ref, _, _), (out, _, _) = run_both(*inputs, *heads, 16, window, softcap)
+    *tensors, layout = paged_inputs(seqs, *heads, 16)
+    if window:
+        layout = freed_behind_window(layout, window, 16)
+    (ref, _, _), (out, _, _) = run_both(*tensors, layout, *heads, 16, window, softcap)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 

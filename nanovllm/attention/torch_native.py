@@ -62,7 +62,9 @@ class TorchNativeBackend(AttentionBackend):
         if decode_idx:
             idx = torch.tensor(decode_idx, device=device)
             tables = layout.block_tables[idx]
-            max_blocks = int((tables >= 0).sum(1).max())
+            # Blocks that cover the longest context (a table's entries before a sliding window may
+            # be -1, freed, as its padding is): pointed at block 0 and masked.
+            max_blocks = -(-int(layout.context_lens[idx].max()) // self.block_size)
             decode_tables = tables[:, :max_blocks].clamp(min=0)
             positions = torch.arange(max_blocks * self.block_size, device=device)
             decode_lens = layout.context_lens[idx].long()
@@ -98,7 +100,8 @@ def prefill_chunks(layout: BatchLayout, block_size: int) -> list[PrefillChunk]:
         if q_len == 1:
             continue
         ctx = context_lens[i]
-        block_ids = layout.block_tables[i, :-(-ctx // block_size)]
+        # Entries freed behind a sliding window (-1) are pointed at block 0: masked, never seen.
+        block_ids = layout.block_tables[i, :-(-ctx // block_size)].clamp(min=0)
         mask = None
         if ctx > q_len:
             # Query j sits at position ctx - q_len + j and sees keys up to there.

@@ -126,9 +126,14 @@ def _paged_attention_kernel(
         part = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         kv_start = split * part
         kv_end = tl.minimum(kv_end, kv_start + part)
+    # Keys before the tile's first row's window are invisible to all its rows, and their blocks may
+    # have been freed (-1 in the table): never loaded.
+    kv_first = 0
+    if HAS_WINDOW:
+        kv_first = tl.maximum(context_len - q_len + tile * TOKENS_PER_TILE - window + 1, 0)
     for start in range(kv_start, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < kv_end
+        key_ok = (keys < kv_end) & (keys >= kv_first)
         block = tl.load(block_tables_ptr + seq * block_tables_stride + keys // PAGE, mask=key_ok, other=0)
         kv_offsets = (block.to(tl.int64) * cache_stride_block + (keys % PAGE) * cache_stride_tok
                       + kv_head * cache_stride_head)[:, None] + dims[None, :]

@@ -4,6 +4,11 @@ A block's identity in the prefix cache is a hash chain: xxhash of the parent blo
 hash and this block's token ids, for full blocks only. Freed blocks keep their hash, so
 a later prompt with the same prefix can pick them up again; they are handed out for new
 data least-recently-freed first, and handing one out evicts its hash.
+
+For a model whose every layer attends over a sliding window (`sliding_window`), a running
+sequence's blocks that left the window of every query still to come are freed as it advances
+(vLLM does the same); its block table keeps their places, as FREED (-1), so that a position's
+block is still table[position // block_size]. No kernel reads a key outside its window.
 """
 
 from collections import OrderedDict
@@ -12,6 +17,8 @@ import numpy as np
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
+
+FREED = -1  # a block-table entry whose block left the sliding window and went back to the pool
 
 
 class Block:
@@ -33,9 +40,11 @@ def block_hash(token_ids, parent_hash: int | None) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's, or None: blocks stay until the sequence ends
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks no sequence holds, in eviction order (front goes first). Cached ones included.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -136,21 +145,38 @@ class BlockManager:
         prefix blocks other prompts are likelier to share; blocks holding no hash are put
         at the front, since keeping them buys nothing."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.hash is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
+
+    def free_out_of_window(self, seq: Sequence):
+        """With a sliding window on every layer: release seq's blocks that every query still to
+        come (from position num_computed_tokens on) sees none of. Their hashes, published by then,
+        stay cached."""
+        if self.sliding_window is None:
+            return
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        for i in range(max(0, first_visible) // self.block_size):
+            if seq.block_table[i] != FREED:
+                self._release(seq.block_table[i])
+                seq.block_table[i] = FREED
+
+    def _release(self, block_id: int):
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.hash is None:
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def check_invariants(self, seqs: list[Sequence]):
         """Assert the bookkeeping is consistent with the sequences that hold blocks (tests)."""
         refs = [0] * self.num_blocks
         for seq in seqs:
             for block_id in seq.block_table:
-                refs[block_id] += 1
+                if block_id != FREED:
+                    refs[block_id] += 1
         used = sum(1 for r in refs if r > 0)
         assert used + self.num_free_blocks == self.num_blocks, "free + used != total"
         for block in self.blocks:

@@ -41,7 +41,7 @@ class WorkerDiedError(RuntimeError):
 
 def make_executor(config: EngineConfig) -> "ModelRunner | TPExecutor":
     """What the engine drives: the model runner itself for tp=1, a TPExecutor around it otherwise.
-    Both offer `execute`, `survives` and `num_kvcache_blocks`."""
+    Both offer `execute`, `survives`, `num_kvcache_blocks` and `kv_sliding_window`."""
     return ModelRunner(config) if config.tensor_parallel_size == 1 else TPExecutor(config)
 
 
@@ -176,6 +176,10 @@ class TPExecutor:
     @property
     def num_kvcache_blocks(self) -> int:
         return self.runner.num_kvcache_blocks  # agreed by all ranks
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        return self.runner.kv_sliding_window  # every rank builds the same layers
 
     @property
     def compile_seconds(self) -> float:

@@ -38,7 +38,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)  # the kernels' pool and torch's both follow it
         self.executor = make_executor(config)
         self.block_manager = BlockManager(self.executor.num_kvcache_blocks, config.kvcache_block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.executor.kv_sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._request_ids = count()

@@ -78,6 +78,13 @@ class ModelRunner:
         return model.eval()
 
     @property
+    def kv_sliding_window(self) -> int | None:
+        """The window every attention layer slides over, or None where some layer sees the whole
+        context: what the block manager may free behind."""
+        windows = {layer.sliding_window for layer in self.attn_layers}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def kv_bytes_per_block(self) -> int:
         first = self.attn_layers[0]
         elem = torch.empty(0, dtype=self.config.torch_dtype).element_size()

@@ -10,7 +10,7 @@ ends is its stop checker's call; the scheduler frees what ended. Pure Python: no
 from collections import deque
 from dataclasses import dataclass
 
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import FREED, BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -87,10 +87,11 @@ class Scheduler:
             seq = self.waiting[0]
             parent = seq.parent
             shares_parent = parent is not None and parent.status == SequenceStatus.RUNNING
+            # A running first stream was scheduled before this point and, with budget left, took
+            # all of its prompt that remained: its prompt blocks are computed by the end of this
+            # step at the latest (unless some already left its sliding window).
+            shares_parent = shares_parent and FREED not in parent.block_table[:(seq.num_tokens - 1) // bs]
             if shares_parent:
-                # A running first stream was scheduled before this point and, with budget left,
-                # took all of its prompt that remained: its prompt blocks are computed by the end
-                # of this step at the latest.
                 cached = parent.block_table[:(seq.num_tokens - 1) // bs]
             else:
                 cached = self.block_manager.find_cached_prefix(seq)
@@ -123,6 +124,7 @@ class Scheduler:
             seq.num_computed_tokens += batch.num_new_tokens[i]
             # The step has run, so these blocks' KV is written: their hashes may be published.
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.free_out_of_window(seq)
             if not samples:
                 continue
             token = next(tokens)

@@ -26,8 +26,9 @@ from nanovllm.entrypoints.bench_llama_cpp import import_llama_cpp
 
 @dataclass(frozen=True)
 class TwinShape:
-    # GGUF's general.architecture: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q/k/v biases)
-    # or qwen3 (Qwen3ForCausalLM: q/k norms)
+    # GGUF's general.architecture: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q/k/v biases),
+    # qwen3 (Qwen3ForCausalLM: q/k norms) or gemma3 (Gemma3ForCausalLM: q/k norms, norms after the
+    # attention and the MLP too, tanh-GELU, local layers with a sliding window)
     architecture: str
     hidden_size: int
     intermediate_size: int
@@ -40,6 +41,7 @@ class TwinShape:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    sliding_window: int | None = None  # of the local layers (gemma3)
 
 
 # The models' own config.json values, in TwinShape's order: architecture, hidden, intermediate,
@@ -51,6 +53,9 @@ SHAPES = {
     # Llama 3.2's llama3 rope scaling is left out: it changes the rotation, not the speed.
     "llama-3.2-1b": TwinShape("llama", 2048, 8192, 16, 32, 8, 64, 128256, 500000.0, 1e-5, 131072, True),
     "qwen2.5-0.5b": TwinShape("qwen2", 896, 4864, 24, 14, 2, 64, 151936, 1000000.0, 1e-6, 32768, True),
+    "gemma-3-1b": TwinShape("gemma3", 1152, 6912, 26, 4, 1, 256, 262144, 1000000.0, 1e-6, 32768, True, 512),
+    # Gemma 3 1B's sizes as a plain Llama: what the Gemma family's own ops cost, side by side.
+    "gemma-3-1b-as-llama": TwinShape("llama", 1152, 6912, 26, 4, 1, 256, 262144, 1000000.0, 1e-6, 32768, True),
 }
 # F16 is the written twin itself; the others are llama.cpp's file types of those names.
 TYPES = ("F16", "Q4_K_M", "Q4_0", "Q4_1", "Q8_0", "Q5_K_M", "Q6_K", "Q5_0", "IQ4_NL", "IQ4_XS")
@@ -136,8 +141,10 @@ def tensor_shapes(shape: TwinShape) -> dict[str, tuple[int, ...]]:
                  "ffn_down.weight": (hidden, shape.intermediate_size)}
         if shape.architecture == "qwen2":
             layer.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
-        if shape.architecture == "qwen3":
+        if shape.architecture in ("qwen3", "gemma3"):
             layer.update({"attn_q_norm.weight": (shape.head_dim,), "attn_k_norm.weight": (shape.head_dim,)})
+        if shape.architecture == "gemma3":
+            layer.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
         tensors.update({f"blk.{i}.{name}": dims for name, dims in layer.items()})
     return tensors
 
@@ -196,6 +203,8 @@ def _add_model_metadata(writer, shape: TwinShape) -> None:
     if shape.head_dim != shape.hidden_size // shape.num_attention_heads:  # readers assume the quotient
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.sliding_window is not None:
+        writer.add_sliding_window(shape.sliding_window)
 
 
 def _add_tokenizer(writer, vocab_size: int) -> None:

@@ -283,10 +283,14 @@ void attend_rows_bf16_any(const Row<BFloat16>* rows, int n, const BFloat16* k_ca
 }
 
 using AttendRowsFn = void (*)(const Row<BFloat16>*, int, const BFloat16*, const BFloat16*, const Paged&, Scoring);
-// head_dim 16, 32, ..., 128 (index head_dim / 16 - 1); other sizes go the portable way.
-constexpr AttendRowsFn kAttendRows[8] = {
+// head_dim 16, 32, ..., 256 (index head_dim / 16 - 1; Gemma's heads are 256 wide); other sizes
+// go the portable way.
+constexpr int kMaxChunks = 16;
+constexpr AttendRowsFn kAttendRows[kMaxChunks] = {
     &attend_rows_bf16_any<1>, &attend_rows_bf16_any<2>, &attend_rows_bf16_any<3>, &attend_rows_bf16_any<4>,
-    &attend_rows_bf16_any<5>, &attend_rows_bf16_any<6>, &attend_rows_bf16_any<7>, &attend_rows_bf16_any<8>};
+    &attend_rows_bf16_any<5>, &attend_rows_bf16_any<6>, &attend_rows_bf16_any<7>, &attend_rows_bf16_any<8>,
+    &attend_rows_bf16_any<9>, &attend_rows_bf16_any<10>, &attend_rows_bf16_any<11>, &attend_rows_bf16_any<12>,
+    &attend_rows_bf16_any<13>, &attend_rows_bf16_any<14>, &attend_rows_bf16_any<15>, &attend_rows_bf16_any<16>};
 
 }  // namespace
 
@@ -350,7 +354,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
           }
         const Paged pg{tables + it.seq * max_blocks, bs, D, num_blocks, it.head};
         if constexpr (std::is_same_v<T, BFloat16>) {
-          if (D % 16 == 0 && D <= 128 && bs % 16 == 0) {
+          if (D % 16 == 0 && D <= 16 * kMaxChunks && bs % 16 == 0) {
             kAttendRows[D / 16 - 1](rows.data(), int(rows.size()), kc, vc, pg, scoring);
             continue;
           }
