@@ -199,6 +199,14 @@ def freed_behind_window(layout, window: int, block_size: int):
     return dataclasses.replace(layout, block_tables=tables)
 
 
+@pytest.fixture(scope="session")
+def default_model_bf16():
+    """The default model in bf16 (the dtype its kernels run), shared by every test module that only
+    generates with it: one start-up for the whole run."""
+    from nanovllm import LLM
+    return LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory_gb=0.1)
+
+
 def triton_skip_reason() -> str | None:
     """Why Triton kernels cannot run in this process (None when they can: on CUDA, or on CPU
     under the interpreter)."""

@@ -37,9 +37,9 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def engines() -> dict[str, LLM]:
-    return {mode: LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory_gb=0.1, enforce_eager=mode == "eager")
-            for mode in ("compiled", "eager")}
+def engines(default_model_bf16) -> dict[str, LLM]:
+    return {"compiled": default_model_bf16,
+            "eager": LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory_gb=0.1, enforce_eager=True)}
 
 
 @pytest.fixture(scope="module")

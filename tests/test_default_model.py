@@ -71,10 +71,9 @@ def test_known_answer(outputs):
 
 
 
-def test_known_answer_from_the_quantized_blocks():
-    """The default settings: bf16 where the kernels run, the file's Q4_1/Q8_0 blocks multiplied as
-    they are."""
-    llm = LLM(max_model_len=256, kv_cache_memory_gb=0.05)
+def test_known_answer_from_the_quantized_blocks(default_model_bf16):
+    """bf16 (the default where the kernels run), the file's Q4_1/Q8_0 blocks multiplied as they are."""
+    llm = default_model_bf16
     head = llm.llm_engine.executor.model.lm_head
     assert type(head.linear_method) is CPUGGUFLinearMethod and head.weight.dtype == torch.uint8
     # PROMPTS[0] alone is a near-tie in bf16 on the blocks (llama.cpp, on this file: "L'Étoile...").
