@@ -69,7 +69,9 @@ class CPUPlatform(Platform):
         # inside the graph are not worth a compile on CPU).
         self.compiled = not enforce_eager and tp_group.world_size == 1
         self._packed_bf16: CPUPackedBF16LinearMethod | None = None
-        self.layer_path = "ran the decoder layers in turn"  # what layer_runner chose, for the log
+        # What layer_runner chose, for the start-up's log line.
+        self.layer_path = ("the decoder layers run in turn (enforce_eager)" if enforce_eager else
+                           "the decoder layers run in turn (tensor-parallel ranks run eager)")
 
     @staticmethod
     def default_dtype() -> str:
@@ -145,6 +147,7 @@ class CPUPlatform(Platform):
         runs a step's kind of inputs through them, and steps then call the compiled code
         directly."""
         if not self.compiled:
+            logger.info("%s on CPU", self.layer_path)
             return 0.0
         start = time.perf_counter()
         # Earlier engines' garbage is collected now rather than mid-trace, where a finalizer that
