@@ -99,6 +99,30 @@ TINY_CONFIG = dict(
 )
 
 
+def family_config(family: str, window: int | None, original_context: int = 512, **extra) -> tuple[str, dict]:
+    """A tiny checkpoint's (architecture, config overrides) for the families beyond Llama's graph,
+    `window` their sliding window (None: none), `extra` more overrides:
+    mistral; gemma2 (softcaps small enough to bend every score); gemma3 (a local and a global layer,
+    each with its own RoPE); phi4-mini (q/k/v and gate/up packed in the checkpoint, LongRoPE from
+    position `original_context` on, 3/4 of each head rotated; transformers moves every position of
+    a sequence past the original context to the long factors, so parity needs shorter prompts)."""
+    gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=window)
+    configs = {
+        "mistral": ("MistralForCausalLM", dict(sliding_window=window)),
+        "gemma2": ("Gemma2ForCausalLM", dict(gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+        "gemma3": ("Gemma3ForCausalLM", dict(
+            gemma, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        "phi4-mini": ("Phi3ForCausalLM", dict(
+            partial_rotary_factor=0.75, sliding_window=window, original_max_position_embeddings=original_context,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
+                             "long_factor": [2.0, 3.0, 5.0] * 2})),
+    }
+    arch, overrides = configs[family]
+    return arch, {**overrides, **extra}
+
+
 def make_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with exactly `vocab_size` tokens (specials last), chat template included.
 

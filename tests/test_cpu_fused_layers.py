@@ -8,7 +8,7 @@ and log-probabilities exactly."""
 import pytest
 import torch
 
-from conftest import make_tiny_checkpoint
+from conftest import family_config, make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.base import BatchLayout, forward_context
 from nanovllm.kernels import cpu as cpu_kernels
@@ -33,17 +33,14 @@ def _greedy(llm: LLM):
             for o in outs]
 
 
-GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=20)
 FAMILIES = {
     "llama-bias": ("LlamaForCausalLM", {"attention_bias": True}),
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {}),
-    "mistral-window": ("MistralForCausalLM", {"sliding_window": 20}),
-    "gemma2": ("Gemma2ForCausalLM", dict(GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
-    "gemma3": ("Gemma3ForCausalLM", dict(GEMMA, layer_types=["sliding_attention", "full_attention"])),
-    "phi4-mini": ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75, original_max_position_embeddings=32, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
-        "long_factor": [2.0, 3.0, 5.0] * 2})),
+    "mistral-window": family_config("mistral", 20),
+    "gemma2": family_config("gemma2", 20),
+    "gemma3": family_config("gemma3", 20),
+    "phi4-mini": family_config("phi4-mini", None, original_context=32),  # prompts reach the long factors
 }
 
 

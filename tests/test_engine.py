@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import make_tiny_checkpoint
+from conftest import family_config, make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import NUM_THREADS_ENV, EngineConfig, usable_cpus
 
@@ -30,20 +30,12 @@ ARCHS = {
     "qwen2-bias": ("Qwen2ForCausalLM", {}),
     "llama-9q-3kv": ("LlamaForCausalLM", dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3)),
     "llama-tied": ("LlamaForCausalLM", dict(tie_word_embeddings=True)),
-    # Sliding windows shorter than most prompts, starting mid-block.
-    "mistral-window": ("MistralForCausalLM", dict(sliding_window=20)),
-    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=20,
-                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
-    # Packed q/k/v and gate/up in the checkpoint, LongRoPE (short factors: transformers takes the
-    # long ones for every position of a sequence past the original context), partial rotary.
-    "phi4-mini-window": ("Phi3ForCausalLM", dict(
-        partial_rotary_factor=0.75, sliding_window=20, original_max_position_embeddings=512,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
-                         "long_factor": [2.0, 3.0, 5.0] * 2})),
-    "gemma3": ("Gemma3ForCausalLM", dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=20, layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Sliding windows of 20, shorter than most prompts, starting mid-block; Phi's prompts within
+    # its original context (512).
+    "mistral-window": family_config("mistral", 20),
+    "gemma2": family_config("gemma2", 20),
+    "phi4-mini-window": family_config("phi4-mini", 20),
+    "gemma3": family_config("gemma3", 20),
 }
 
 
@@ -299,8 +291,8 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(tmp
     need 20 blocks each, run side by side in a pool of 32 without a preemption, since each holds
     only the blocks its window still sees, and give transformers' tokens. A model with global
     layers (Gemma 3) keeps every block."""
-    path = make_tiny_checkpoint(tmp_path / "mistral", "MistralForCausalLM", sliding_window=20,
-                                max_position_embeddings=512)
+    arch, overrides = family_config("mistral", 20, max_position_embeddings=512)
+    path = make_tiny_checkpoint(tmp_path / "mistral", arch, **overrides)
     prompts = random_prompts([300] * 4, seed=3)
     llm = LLM(str(path), dtype="float32", device=DEVICE, num_kvcache_blocks=32, max_model_len=512,
               max_num_batched_tokens=64)
@@ -308,6 +300,6 @@ def test_a_model_whose_every_layer_slides_frees_the_blocks_behind_its_window(tmp
     assert greedy(llm, prompts) == hf_greedy(path, prompts)
     metrics = llm.get_metrics()
     assert metrics["num_preemptions"] == 0 and metrics["num_free_blocks"] == 32
-    gemma = make_tiny_checkpoint(tmp_path / "gemma", "Gemma3ForCausalLM", head_dim=16, sliding_window=20,
-                                 layer_types=["sliding_attention", "full_attention"])
+    arch, overrides = family_config("gemma3", 20)
+    gemma = make_tiny_checkpoint(tmp_path / "gemma", arch, **overrides)
     assert LLM(str(gemma), dtype="float32", device=DEVICE, num_kvcache_blocks=32).llm_engine.block_manager.sliding_window is None

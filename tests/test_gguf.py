@@ -15,7 +15,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
-from conftest import random_gguf_blocks, requires_default_model
+from conftest import family_config, random_gguf_blocks, requires_default_model
 from nanovllm.loader import gguf as gguf_loader
 from nanovllm.loader.default_model import default_model_path
 from nanovllm.loader.gguf import (
@@ -376,16 +376,10 @@ _CONVERTED = {
     "llama": ("LlamaForCausalLM", dict(tie_word_embeddings=True)),
     "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
-    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=7,
-                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
-    "phi4-mini": ("Phi3ForCausalLM", dict(
-        partial_rotary_factor=0.75, sliding_window=7, original_max_position_embeddings=32,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
-                         "long_factor": [2.0, 3.0, 5.0] * 2})),
-    "gemma3": ("Gemma3ForCausalLM", dict(
-        head_dim=16, query_pre_attn_scalar=16, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # llama.cpp's files carry no query_pre_attn_scalar: it is the head dim but for the 27B models.
+    "gemma2": family_config("gemma2", 7, query_pre_attn_scalar=16),
+    "phi4-mini": family_config("phi4-mini", 7, original_context=32),
+    "gemma3": family_config("gemma3", 7, query_pre_attn_scalar=16),
 }
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import hf_logits, make_tiny_checkpoint, make_tiny_config, our_logits
+from conftest import family_config, hf_logits, make_tiny_checkpoint, make_tiny_config, our_logits
 from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.loader.safetensors import iter_safetensors, safetensors_files
 from nanovllm.loader.weights import load_weights
@@ -47,17 +47,9 @@ CASES = {
         original_max_position_embeddings=32, sliding_window=7,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0] * 2,
                          "long_factor": [2.0, 3.0, 5.0, 8.0] * 2})),
-    "phi4_mini_partial_rotary_tied": ("Phi3ForCausalLM", dict(
-        partial_rotary_factor=0.75, tie_word_embeddings=True, original_max_position_embeddings=32,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
-                         "long_factor": [2.0, 3.0, 5.0] * 2})),
-    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=7,
-                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-                                         tie_word_embeddings=True)),
-    "gemma3": ("Gemma3ForCausalLM", dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=7, layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "phi4_mini_partial_rotary_tied": family_config("phi4-mini", None, original_context=32, tie_word_embeddings=True),
+    "gemma2": family_config("gemma2", 7, tie_word_embeddings=True),
+    "gemma3": family_config("gemma3", 7),
 }
 
 

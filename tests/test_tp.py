@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import make_tiny_checkpoint
+from conftest import family_config, make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.step_messages import StepReceiver, StepSender
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -95,13 +95,11 @@ TP_CASES = {
     # shards whole blocks of each row (32 of the 64 inputs of o_proj a rank).
     "llama-q8_0-blocks": ("LlamaForCausalLM", dict(quantization="q8_0")),
     # Softcaps, sandwich norms, tanh GELU and a sliding window on layer 0 (prompts pass it).
-    "gemma2-window": ("Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
-                                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma2-window": family_config("gemma2", 12),
     # q/k/v and gate/up packed in the checkpoint: each rank cuts its rows of each projection.
     "phi3-packed": ("Phi3ForCausalLM", {}),
     # Local and global layers, each with its own RoPE.
-    "gemma3-window": ("Gemma3ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
-                                                layer_types=["sliding_attention", "full_attention"])),
+    "gemma3-window": family_config("gemma3", 12),
 }
 
 

@@ -157,10 +157,13 @@ class BlockManager:
         if self.sliding_window is None:
             return
         first_visible = seq.num_computed_tokens - self.sliding_window + 1
-        for i in range(max(0, first_visible) // self.block_size):
-            if seq.block_table[i] != FREED:
-                self._release(seq.block_table[i])
-                seq.block_table[i] = FREED
+        # Freed places are always a prefix of the table: walk back from the window's edge to the
+        # last one, so a step costs the blocks it frees, not the whole context.
+        i = max(0, first_visible) // self.block_size - 1
+        while i >= 0 and seq.block_table[i] != FREED:
+            self._release(seq.block_table[i])
+            seq.block_table[i] = FREED
+            i -= 1
 
     def _release(self, block_id: int):
         block = self.blocks[block_id]

@@ -81,8 +81,10 @@ class ModelRunner:
     def kv_sliding_window(self) -> int | None:
         """The window every attention layer slides over, or None where some layer sees the whole
         context: what the block manager may free behind."""
-        windows = {layer.sliding_window for layer in self.attn_layers}
-        return windows.pop() if len(windows) == 1 else None
+        windows = {layer.sliding_window for layer in self.attn_layers}  # 0: a layer without one
+        if len(windows) != 1 or 0 in windows:
+            return None
+        return windows.pop()
 
     @property
     def kv_bytes_per_block(self) -> int:

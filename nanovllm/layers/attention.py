@@ -16,9 +16,9 @@ from nanovllm.attention.base import get_forward_context
 
 
 class Attention(nn.Module):
-    """`sliding_window`: a query sees only the last that many positions, its own included (None:
-    every earlier one); `logit_softcap`: scores become cap * tanh(scores / cap) before the
-    softmax (None: as they are)."""
+    """`sliding_window`: a query sees only the last that many positions, its own included;
+    `logit_softcap`: scores become cap * tanh(scores / cap) before the softmax. Both kept as the
+    backends take them, 0 for none."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None):
@@ -27,10 +27,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.sliding_window = sliding_window
-        self.logit_softcap = logit_softcap
-        # As the backends and the op take them: 0 for none.
-        self._window, self._softcap = sliding_window or 0, logit_softcap or 0.0
+        self.sliding_window: int = sliding_window or 0
+        self.logit_softcap: float = logit_softcap or 0.0
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -39,7 +37,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         attend = torch.ops.nanovllm.attention if torch.compiler.is_compiling() else _attention
-        o = attend(q, k, v, self.k_cache, self.v_cache, self.scale, self._window, self._softcap)
+        o = attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window, self.logit_softcap)
         return o.reshape(-1, self.num_heads * self.head_dim)
 
 

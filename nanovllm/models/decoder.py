@@ -62,10 +62,6 @@ class DecoderDescription:
     def window(self, index: int) -> int | None:
         return self.sliding_window if self.layer_type(index) == SLIDING_ATTENTION else None
 
-    def slides(self) -> bool:
-        """Whether some layer sees only a window."""
-        return self.sliding_window is not None and SLIDING_ATTENTION in self.layer_types
-
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

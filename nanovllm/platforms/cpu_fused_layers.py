@@ -93,7 +93,7 @@ def kernel_args(layer: DecoderLayer) -> tuple[list, list[int]]:
         kinds.append(kind)
         max_rows.append(rows)
         bits.append(activation_bits)
-    settings = [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window or 0,
+    settings = [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window,
                 int(sandwich), ACTIVATION_KINDS[description.activation]]
     return weights, [*settings, *kinds, *max_rows, *bits]
 
@@ -123,6 +123,6 @@ class FusedDecoderLayers:
         # The caches are read at each call: the engine binds them after the layers are built.
         first = self.attentions[0]
         return torch.ops.nanovllm_cpu.decoder_layers(
-            hidden, residual, positions, self.weights, self.settings, self.eps, first.scale, first.logit_softcap or 0.0,
+            hidden, residual, positions, self.weights, self.settings, self.eps, first.scale, first.logit_softcap,
             [attn.k_cache for attn in self.attentions], [attn.v_cache for attn in self.attentions],
             layout.slot_mapping, layout.cu_seqlens_q, layout.context_lens, layout.block_tables)

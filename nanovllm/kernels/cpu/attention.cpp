@@ -109,10 +109,8 @@ struct Row {
 // How a score is finished before the softmax: scaled, then capped when softcap > 0.
 struct Scoring {
   float scale, softcap;
-  float operator()(float dot) const {
-    const float s = dot * scale;
-    return softcap > 0 ? softcap * std::tanh(s / softcap) : s;
-  }
+  float cap(float scaled) const { return softcap > 0 ? softcap * std::tanh(scaled / softcap) : scaled; }
+  float operator()(float dot) const { return cap(dot * scale); }
 };
 
 struct Paged {
@@ -230,8 +228,7 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
         alignas(64) float lanes[16];
         simd::store(lanes, scores);
         for (int64_t j = 0; j < 16; j++)
-          lanes[j] = j < from ? -std::numeric_limits<float>::infinity()
-                              : (scoring.softcap > 0 ? scoring.softcap * std::tanh(lanes[j] / scoring.softcap) : lanes[j]);
+          lanes[j] = j < from ? -std::numeric_limits<float>::infinity() : scoring.cap(lanes[j]);
         scores = simd::load(lanes);
       }
       scores = simd::keep_first(scores, visible, minus_inf);
