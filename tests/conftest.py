@@ -9,6 +9,7 @@
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -90,6 +91,9 @@ MODEL_TYPES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 TINY_CONFIG = dict(
@@ -105,7 +109,9 @@ def family_config(family: str, window: int | None, original_context: int = 512, 
     mistral; gemma2 (softcaps small enough to bend every score); gemma3 (a local and a global layer,
     each with its own RoPE); phi4-mini (q/k/v and gate/up packed in the checkpoint, LongRoPE from
     position `original_context` on, 3/4 of each head rotated; transformers moves every position of
-    a sequence past the original context to the long factors, so parity needs shorter prompts)."""
+    a sequence past the original context to the long factors, so parity needs shorter prompts);
+    the mixtures of experts qwen3-moe (8 experts, top-2 renormalised), qwen2-moe (its shared
+    expert, weights not renormalised) and mixtral (Mistral's window)."""
     gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=window)
     configs = {
         "mistral": ("MistralForCausalLM", dict(sliding_window=window)),
@@ -118,9 +124,134 @@ def family_config(family: str, window: int | None, original_context: int = 512, 
             partial_rotary_factor=0.75, sliding_window=window, original_max_position_embeddings=original_context,
             rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0] * 2,
                              "long_factor": [2.0, 3.0, 5.0] * 2})),
+        "qwen3-moe": ("Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, norm_topk_prob=True, sliding_window=window)),
+        "qwen2-moe": ("Qwen2MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=96, norm_topk_prob=False)),
+        "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                               sliding_window=window)),
     }
     arch, overrides = configs[family]
     return arch, {**overrides, **extra}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's HF->GGUF converter does to llama q_proj/k_proj rows."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # Mixtures of experts: the router, Qwen2-MoE's shared expert and its gate.
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# Each expert's projection -> the layer's 3-D tensor of them all.
+_EXPERTS_TO_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                    "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_GGUF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                       "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+                       "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
+                       "MixtralForCausalLM": "llama"}
+_PHI3_TO_GGUF = {**TO_GGUF, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_GEMMA_TO_GGUF = {**TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def convert_as_llama_cpp(hf_path, path, type_of=lambda name, array: None) -> str:
+    """An HF checkpoint written as llama.cpp's converter writes it: its architecture string,
+    metadata and tensor names, llama's q/k rows permuted, Gemma's norms stored as 1 + w, Phi-3's
+    LongRoPE factors as tensors, a layer's experts stacked in one tensor a projection, and a twin's
+    vocabulary. Each tensor in F32, or quantized by gguf-py to `type_of(gguf name, array)` where
+    that gives a type."""
+    from nanovllm.entrypoints import bench_twins
+    from nanovllm.loader.safetensors import iter_safetensors
+
+    config = transformers.AutoConfig.from_pretrained(hf_path)
+    arch = _GGUF_ARCHITECTURES[config.architectures[0]]
+    gemma = arch.startswith("gemma")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    bench_twins.add_tokenizer(w, config.vocab_size)  # a byte-level vocabulary of the model's size
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":
+        w.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
+        w.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        w.add_sliding_window(config.sliding_window)
+        for key in ("short", "long"):
+            w.add_tensor(f"rope_factors_{key}.weight", np.array(rope[f"{key}_factor"], dtype=np.float32))
+    if gemma:
+        w.add_sliding_window(config.sliding_window)
+        w.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        w.add_final_logit_softcapping(config.final_logit_softcapping)
+
+    def add(name: str, array: np.ndarray) -> None:
+        qtype = type_of(name, array) if array.ndim >= 2 else None
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            qtype = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
+
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    stacked: dict[str, dict[int, np.ndarray]] = {}  # a layer's experts' tensors, gathered
+    for name, tensor in iter_safetensors(hf_path):
+        expert = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight", name)
+        if expert:
+            layer, e, projection = expert.groups()
+            stacked.setdefault(f"blk.{layer}.{_EXPERTS_TO_GGUF[projection]}.weight", {})[int(e)] = tensor.float().numpy()
+            continue
+        array = tensor.float().numpy()
+        module, kind = name.rsplit(".", 1)
+        sub = None
+        if module in names:
+            gguf_name = f"{names[module]}.{kind}"
+        else:
+            layer, sub = module.removeprefix("model.layers.").split(".", 1)
+            table = _GEMMA_TO_GGUF if gemma else _PHI3_TO_GGUF if arch == "phi3" else TO_GGUF
+            gguf_name = f"blk.{layer}.{table[sub]}.{kind}"
+        if sub == "mlp.shared_expert_gate":  # llama.cpp's [hidden]
+            array = array[0]
+        if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if sub == "self_attn.q_proj" else config.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1
+        add(gguf_name, array)
+    for gguf_name, by_expert in stacked.items():
+        add(gguf_name, np.stack([by_expert[e] for e in range(len(by_expert))]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
 
 
 def make_tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

@@ -1,4 +1,4 @@
-"""The CPU kernels' variants (NANOVLLM_CPU_ISA): the kernel tests (dense and quantized) run again, in a process of
+"""The CPU kernels' variants (NANOVLLM_CPU_ISA): the kernel tests (dense, quantized, experts) run again, in a process of
 their own, under every variant this CPU executes besides the one this process built; the engine
 runs with the kernels off (`none`, what an ARM or older x86 CPU gets) and gives the greedy
 tokens it gives with them; and a variant that cannot run here, or does not exist, is refused
@@ -15,7 +15,8 @@ from conftest import make_tiny_checkpoint
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
 
-KERNEL_TESTS = [os.path.join(os.path.dirname(__file__), name) for name in ("test_cpu_kernels.py", "test_cpu_quantized.py")]
+KERNEL_TESTS = [os.path.join(os.path.dirname(__file__), name) for name in ("test_cpu_kernels.py", "test_cpu_quantized.py",
+                                                                                  "test_cpu_moe.py")]
 
 
 def run_with_isa(variant: str, *args: str) -> subprocess.CompletedProcess:

@@ -36,6 +36,10 @@ ARCHS = {
     "gemma2": family_config("gemma2", 20),
     "phi4-mini-window": family_config("phi4-mini", 20),
     "gemma3": family_config("gemma3", 20),
+    # Mixtures of experts: a dense layer beside a sparse one; a shared expert; Mixtral's window.
+    "qwen3-moe": family_config("qwen3-moe", None, mlp_only_layers=[1]),
+    "qwen2-moe": family_config("qwen2-moe", None),
+    "mixtral-window": family_config("mixtral", 20),
 }
 
 

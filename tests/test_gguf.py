@@ -15,7 +15,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 
-from conftest import family_config, random_gguf_blocks, requires_default_model
+from conftest import (TO_GGUF, convert_as_llama_cpp, family_config, llama_cpp_permute, random_gguf_blocks,
+                      requires_default_model)
 from nanovllm.loader import gguf as gguf_loader
 from nanovllm.loader.default_model import default_model_path
 from nanovllm.loader.gguf import (
@@ -159,11 +160,6 @@ def test_file_is_read_once_per_load_and_again_when_rewritten(tmp_path, monkeypat
 # --- (b) config mapping, names, Q/K un-permutation ----------------------------------------------
 
 
-def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """What llama.cpp's HF->GGUF converter does to llama q_proj/k_proj rows."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _tiny_model(rng, *, heads=4, kv_heads=2, head_dim=16, hidden=64, ffn=128, vocab=100, qkv_bias=False,
                 qk_norm=False, tied=True) -> dict[str, np.ndarray]:
     """One layer of HF-named weights."""
@@ -197,28 +193,20 @@ def _tiny_model(rng, *, heads=4, kv_heads=2, head_dim=16, hidden=64, ffn=128, vo
     return hf
 
 
-_TO_GGUF = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
-
 def _gguf_name(hf_name: str) -> str:
     globals_ = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     module, kind = hf_name.rsplit(".", 1)
     if module in globals_:
         return f"{globals_[module]}.{kind}"
     layer, sub = module.removeprefix("model.layers.").split(".", 1)
-    return f"blk.{layer}.{_TO_GGUF[sub]}.{kind}"
+    return f"blk.{layer}.{TO_GGUF[sub]}.{kind}"
 
 
 def _write_tiny(path, arch: str, hf: dict[str, np.ndarray], heads=4, kv_heads=2, **meta) -> str:
     tensors = {}
     for name, w in hf.items():
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
-            w = _llama_cpp_permute(w, heads if "q_proj" in name else kv_heads)
+            w = llama_cpp_permute(w, heads if "q_proj" in name else kv_heads)
         tensors[_gguf_name(name)] = (w, None)
     return _write_gguf(path, arch, tensors, heads=heads, kv_heads=kv_heads, hidden=64, ffn=128, **meta)
 
@@ -302,76 +290,6 @@ def test_names_and_qk_unpermutation_round_trip(tmp_path, arch):
         assert torch.equal(weights[name], torch.from_numpy(w)), name
 
 
-_GGUF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                       "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
-_PHI3_TO_GGUF = {**_TO_GGUF, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-_GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
-                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-
-
-def _convert_as_llama_cpp(hf_path, path) -> str:
-    """An HF checkpoint written as llama.cpp's converter writes it (in F32): its architecture
-    string, metadata and tensor names, llama's q/k rows permuted, Gemma's norms stored as 1 + w,
-    Phi-3's LongRoPE factors as tensors."""
-    from nanovllm.loader.safetensors import iter_safetensors
-
-    config = transformers.AutoConfig.from_pretrained(hf_path)
-    arch = _GGUF_ARCHITECTURES[config.architectures[0]]
-    gemma = arch.startswith("gemma")
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
-    w.add_rope_freq_base(rope["rope_theta"])
-    if rope["rope_type"] == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-    if arch == "phi3":
-        w.add_rope_dimension_count(int(head_dim * (getattr(config, "partial_rotary_factor", None) or 1.0)))
-        w.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
-        w.add_sliding_window(config.sliding_window)
-        for key in ("short", "long"):
-            w.add_tensor(f"rope_factors_{key}.weight", np.array(rope[f"{key}_factor"], dtype=np.float32))
-    if gemma:
-        w.add_sliding_window(config.sliding_window)
-        w.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
-    if arch == "gemma2":
-        w.add_attn_logit_softcapping(config.attn_logit_softcapping)
-        w.add_final_logit_softcapping(config.final_logit_softcapping)
-    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    for name, tensor in iter_safetensors(hf_path):
-        array = tensor.float().numpy()
-        module, kind = name.rsplit(".", 1)
-        sub = None
-        if module in names:
-            gguf_name = f"{names[module]}.{kind}"
-        else:
-            layer, sub = module.removeprefix("model.layers.").split(".", 1)
-            table = _GEMMA_TO_GGUF if gemma else _PHI3_TO_GGUF if arch == "phi3" else _TO_GGUF
-            gguf_name = f"blk.{layer}.{table[sub]}.{kind}"
-        if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
-            heads = config.num_attention_heads if sub == "self_attn.q_proj" else config.num_key_value_heads
-            array = _llama_cpp_permute(array, heads)
-        if gemma and name.endswith("norm.weight"):
-            array = array + 1
-        w.add_tensor(gguf_name, np.ascontiguousarray(array))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
-
-
 _CONVERTED = {
     "llama": ("LlamaForCausalLM", dict(tie_word_embeddings=True)),
     "qwen2": ("Qwen2ForCausalLM", {}),
@@ -380,6 +298,10 @@ _CONVERTED = {
     "gemma2": family_config("gemma2", 7, query_pre_attn_scalar=16),
     "phi4-mini": family_config("phi4-mini", 7, original_context=32),
     "gemma3": family_config("gemma3", 7, query_pre_attn_scalar=16),
+    # llama.cpp's MoE graphs make every layer sparse.
+    "qwen3-moe": family_config("qwen3-moe", None),
+    "qwen2-moe": family_config("qwen2-moe", None),
+    "mixtral": family_config("mixtral", None),
 }
 
 
@@ -395,12 +317,18 @@ def test_a_checkpoint_converted_as_llama_cpp_does_gives_transformers_logits(tmp_
 
     arch, overrides = _CONVERTED[family]
     hf_path = make_tiny_checkpoint(tmp_path / "hf", arch, **overrides)
-    path = _convert_as_llama_cpp(hf_path, tmp_path / "m.gguf")
+    path = convert_as_llama_cpp(hf_path, tmp_path / "m.gguf")
     config = load_gguf_config(path)
     hf_config = transformers.AutoConfig.from_pretrained(hf_path)
     fields = ["tie_word_embeddings", "num_key_value_heads", "intermediate_size"]
     if family.startswith("phi"):
         fields += ["sliding_window", "partial_rotary_factor", "original_max_position_embeddings", "rope_parameters"]
+    if family.endswith("moe"):
+        fields += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
+    if family == "qwen2-moe":
+        fields += ["shared_expert_intermediate_size"]
+    if family == "mixtral":
+        fields += ["num_local_experts", "num_experts_per_tok"]
     if family.startswith("gemma"):
         fields += ["sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
                    "final_logit_softcapping", "hidden_activation", "rope_parameters"]

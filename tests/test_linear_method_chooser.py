@@ -12,11 +12,26 @@ from nanovllm.distributed.parallel_state import SINGLE, TPGroup
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.quantization import UnquantizedLinearMethod
 from nanovllm.layers.quantization.chooser import LinearMethodChooser
+from nanovllm.layers.quantization.moe_methods import UnquantizedMoEMethod
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class DenseMethod(UnquantizedLinearMethod):
     """What the platform gives a layer that multiplies a dense weight."""
+
+
+class InvariantDenseMethod(DenseMethod):
+    """What it gives one whose rows must not depend on the step's others (a router)."""
+
+
+class DenseExperts(UnquantizedMoEMethod):
+    pass
+
+
+class BlockExperts(UnquantizedMoEMethod):
+    def __init__(self, gate_up_type, down_type):
+        self.types = (gate_up_type, down_type)
 
 
 class BlockMethod(UnquantizedLinearMethod):
@@ -30,12 +45,18 @@ class RecordingPlatform:
     def __init__(self):
         self.asked = []
 
-    def dense_linear_method(self):
-        return DenseMethod()
+    def dense_linear_method(self, batch_invariant=False):
+        return InvariantDenseMethod() if batch_invariant else DenseMethod()
 
     def block_linear_method(self, shard_types):
         self.asked.append(shard_types)
         return None if "Q2_K" in shard_types.values() else BlockMethod(shard_types)
+
+    def dense_moe_method(self):
+        return DenseExperts()
+
+    def block_moe_method(self, gate_up_type, down_type):
+        return BlockExperts(gate_up_type, down_type)
 
 
 def llama_config(tied: bool, hidden: int = 64, layers: int = 2):
@@ -133,3 +154,51 @@ def test_bf16_layers_on_the_kernels_share_one_packed_arena():
         x = torch.randn(2, m.weight.shape[1]).bfloat16()
         torch.testing.assert_close(cpu_kernels.linear_packed(x, m.packed_weight, None, m.weight.shape[0]),
                                    x @ m.weight.T)
+
+
+def qwen3_moe_config(hidden: int = 256, experts: int = 4):
+    return SimpleNamespace(**{**vars(llama_config(tied=True, hidden=hidden)), "num_experts": experts,
+                              "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
+                              "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": 64})
+
+
+def test_experts_take_the_block_method_when_every_one_comes_in_blocks(caplog):
+    """Layer 0's experts: gate/up in Q4_K, down in Q6_K (Q4_K_M's mix): the block MoE method.
+    Layer 1's: one expert's up in another type than the rest: dense, and logged. Routers are
+    built batch-invariant."""
+    experts = "model.layers.{}.mlp.experts.{}.{}_proj.weight".format
+    block_types = {experts(0, e, p): ("Q6_K" if p == "down" else "Q4_K") for e in range(4) for p in ("gate", "up", "down")}
+    block_types |= {experts(1, e, p): "Q4_K" for e in range(4) for p in ("gate", "up", "down")}
+    block_types[experts(1, 2, "up")] = "Q8_0"
+    chooser = LinearMethodChooser(RecordingPlatform(), block_types, Qwen3MoeForCausalLM.packed_modules_mapping,
+                                  Qwen3MoeForCausalLM.expert_params_mapping)
+    with caplog.at_level(logging.INFO, logger="nanovllm.layers.quantization.chooser"):
+        model = Qwen3MoeForCausalLM(qwen3_moe_config(), SINGLE, chooser)
+        chooser.log_dequantized()
+    blocks, dense = (model.model.layers[i].mlp.experts.moe_method for i in (0, 1))
+    assert type(blocks) is BlockExperts and blocks.types == ("Q4_K", "Q6_K")
+    assert type(dense) is DenseExperts
+    assert chooser.kept_in_blocks == {n: t for n, t in block_types.items() if ".layers.0." in n}
+    assert all(type(layer.mlp.gate.linear_method) is InvariantDenseMethod for layer in model.model.layers)
+    assert [r.getMessage() for r in caplog.records] == [
+        "dequantizing at load the weights of 1 layers this platform does not run in blocks (1 Q4_K/Q8_0)"]
+
+
+@pytest.mark.skipif(not cpu_kernels.has_simd_kernels(), reason="needs the avx2 or avx512 CPU kernels")
+def test_the_cpus_batch_invariant_dense_method_computes_a_row_alike_in_any_step():
+    """What a router gets on CPU in bf16: the packed kernel at every step size, each row's output
+    the same bits alone as in a step of 300 rows (oneDNN's GEMM, which larger steps of the other
+    dense layers take, differs in a few)."""
+    from torch import nn
+
+    from nanovllm.platforms.cpu import CPUPlatform
+
+    method = CPUPlatform(torch.device("cpu"), torch.bfloat16, True, SINGLE).dense_linear_method(batch_invariant=True)
+    layer = nn.Module()
+    layer.weight_loader = None
+    method.create_weights(layer, 1024, 64, False)
+    layer.weight.data = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()
+    method.process_weights_after_loading(layer)
+    x = torch.randn(300, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    batch = method.apply(layer, x, None)
+    assert torch.equal(torch.cat([method.apply(layer, x[i:i + 1], None) for i in range(300)]), batch)

@@ -50,6 +50,9 @@ CASES = {
     "phi4_mini_partial_rotary_tied": family_config("phi4-mini", None, original_context=32, tie_word_embeddings=True),
     "gemma2": family_config("gemma2", 7, tie_word_embeddings=True),
     "gemma3": family_config("gemma3", 7),
+    "qwen3_moe_a_dense_layer": family_config("qwen3-moe", None, mlp_only_layers=[1]),
+    "qwen2_moe_shared_expert": family_config("qwen2-moe", None),
+    "mixtral_sliding_window": family_config("mixtral", 7),
 }
 
 

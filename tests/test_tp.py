@@ -100,6 +100,15 @@ TP_CASES = {
     "phi3-packed": ("Phi3ForCausalLM", {}),
     # Local and global layers, each with its own RoPE.
     "gemma3-window": family_config("gemma3", 12),
+    # Experts' intermediate dims sharded, a shared expert's partial sum added before the one
+    # all-reduce.
+    "qwen2-moe-shared-expert": family_config("qwen2-moe", None),
+    # Experts quantized at load to Q8_0, run by the CPU's MoE kernel on each rank (one block of
+    # each expert's down row a rank). Top-1: with more experts a token, the all-reduce adds each
+    # rank's weighted sum of its experts' partial rows, an order of fp32 additions of its own,
+    # which can turn a near-tie here.
+    "qwen3-moe-q8_0-experts": family_config("qwen3-moe", None, moe_intermediate_size=64, num_experts_per_tok=1,
+                                            quantization="q8_0"),
 }
 
 

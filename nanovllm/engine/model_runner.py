@@ -61,7 +61,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         with startup_phase("model and weights"):
             linear_methods = LinearMethodChooser(self.platform, config.checkpoint.block_types(config.quantization),
-                                                 model_cls.packed_modules_mapping)
+                                                 model_cls.packed_modules_mapping,
+                                                 getattr(model_cls, "expert_params_mapping", None))
             torch.set_default_dtype(config.torch_dtype)
             try:
                 with torch.device(self.device), built_for(self.platform):
@@ -74,6 +75,8 @@ class ModelRunner:
             for module in model.modules():  # each once: a tied head is its embedding module
                 if hasattr(module, "linear_method"):
                     module.linear_method.process_weights_after_loading(module)
+                if hasattr(module, "moe_method"):
+                    module.moe_method.process_weights_after_loading(module)
             self.platform.prepare_model(model)
         return model.eval()
 

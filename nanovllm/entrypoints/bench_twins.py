@@ -184,7 +184,7 @@ def twin_writer(shape: TwinShape, path: str):
     import gguf
     writer = gguf.GGUFWriter(path, shape.architecture)
     _add_model_metadata(writer, shape)
-    _add_tokenizer(writer, shape.vocab_size)
+    add_tokenizer(writer, shape.vocab_size)
     return writer
 
 
@@ -207,7 +207,7 @@ def _add_model_metadata(writer, shape: TwinShape) -> None:
         writer.add_sliding_window(shape.sliding_window)
 
 
-def _add_tokenizer(writer, vocab_size: int) -> None:
+def add_tokenizer(writer, vocab_size: int) -> None:
     """A byte-level BPE ("gpt2") vocabulary of exactly `vocab_size` tokens: the 256 byte symbols,
     a space before each letter (gguf-py leaves out an empty merge list, and llama.cpp requires
     one), synthetic fillers, then the end-of-text token, which is also the beginning one."""

@@ -22,6 +22,7 @@ Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
 `gguf_linear` / `gguf_linear_parts` / `gguf_dequantize` / `gguf_repack` (weights in GGUF's block formats),
+`gguf_moe` (a mixture of experts' experts in blocks),
 `store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise
 `silu_and_mul`, `gelu_tanh_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layers` (a run of decoder layers as one call
 over the others), `isa` and `amx_tiles_granted`; see cpu/registration.cpp.
@@ -182,6 +183,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanovllm_cpu::gguf_linear_parts")
     def _(x, blocks, parts, out_features, bias, max_streaming_rows, activation_bits=16):
         return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("nanovllm_cpu::gguf_moe")
+    def _(x, topk_ids, topk_weights, w13, w13_type, w2, w2_type, intermediate, activation, max_streaming_rows,
+          w13_bits, w2_bits):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("nanovllm_cpu::gguf_dequantize")
     def _(blocks, type, in_features):

@@ -47,10 +47,11 @@ def copy_chunk(dst: torch.Tensor, src: torch.Tensor, dim: int, index: int, num_c
 
 
 def _make_params(module: nn.Module, input_size: int, output_size: int, bias: bool,
-                 linear_methods: LinearMethodChooser | None, prefix: str) -> None:
+                 linear_methods: LinearMethodChooser | None, prefix: str, batch_invariant: bool = False) -> None:
     """Give `module` its linear method and, through it, weight [output_size, input_size] and an
     optional bias, wired to its weight_loader."""
-    module.linear_method: LinearMethod = choose_linear_method(linear_methods, module, prefix, input_size)
+    module.linear_method: LinearMethod = choose_linear_method(linear_methods, module, prefix, input_size,
+                                                              batch_invariant=batch_invariant)
     module.linear_method.create_weights(module, input_size, output_size, bias)
 
 
@@ -67,12 +68,13 @@ def load_packed(layer: nn.Module, param: nn.Parameter, loaded_weight: torch.Tens
 
 
 class ReplicatedLinear(nn.Module):
-    """Every rank holds the whole weight."""
+    """Every rank holds the whole weight. `batch_invariant`: each row's output must not depend on
+    the step's other rows, whatever the weight's format (a router: LinearMethodChooser.method_for)."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False,
-                 linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = "", batch_invariant: bool = False):
         super().__init__()
-        _make_params(self, input_size, output_size, bias, linear_methods, prefix)
+        _make_params(self, input_size, output_size, bias, linear_methods, prefix, batch_invariant)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight, shard_id)
@@ -180,12 +182,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's columns (the input dim) split across ranks; input is sharded."""
+    """y = x W^T + b with W's columns (the input dim) split across ranks; input is sharded.
+    `reduce_results` False returns this rank's partial sum, for a caller that adds it to others
+    before one all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: TPGroup, bias: bool = False,
-                 linear_methods: LinearMethodChooser | None = None, prefix: str = ""):
+                 linear_methods: LinearMethodChooser | None = None, prefix: str = "", reduce_results: bool = True):
         super().__init__()
         self.tp_group = tp_group
+        self.reduce_results = reduce_results
         _make_params(self, divide(input_size, tp_group.world_size, "input_size"), output_size, bias, linear_methods,
                      prefix)
 
@@ -200,4 +205,4 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank holds the bias, but only rank 0 adds it: the all-reduce sums it once.
         y = self.linear_method.apply(self, x, self.bias if self.tp_group.is_first_rank else None)
-        return self.tp_group.all_reduce(y)
+        return self.tp_group.all_reduce(y) if self.reduce_results else y

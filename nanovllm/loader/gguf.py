@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
@@ -34,11 +35,16 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-# GGUF architecture -> the Hugging Face architecture (model class) its config names.
+# GGUF architecture -> the Hugging Face architecture (model class) its config names. llama.cpp
+# writes Mixtral as llama with experts (`_hf_architecture`).
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-# The transformers config type of each, where it is not the GGUF architecture's name.
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                  "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
+_MIXTRAL = "MixtralForCausalLM"
+# The transformers config type of each HF architecture.
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "Phi3ForCausalLM": "phi3",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", _MIXTRAL: "mixtral"}
 _GEMMA = ("gemma2", "gemma3")
 
 _SUPPORTED_TYPES = frozenset(
@@ -62,6 +68,15 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# A mixture of experts' block: its router, Qwen2-MoE's shared expert and that expert's gate. Each
+# layer's experts are one 3-D tensor a projection ([experts, rows, columns]), one HF tensor an expert.
+_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_MIXTRAL_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"}
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_EXPERT_NAMES = {"mlp.experts": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+                 "block_sparse_moe.experts": {"gate": "w1", "up": "w3", "down": "w2"}}
 # Gemma's norms around both blocks: llama.cpp's ffn_norm is its pre-feedforward norm there.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -102,6 +117,10 @@ def _architecture(meta: dict[str, Any]) -> str:
     return arch
 
 
+def _hf_architecture(meta: dict[str, Any], arch: str) -> str:
+    return _MIXTRAL if arch == "llama" and meta.get("llama.expert_count", 0) > 0 else _ARCHITECTURES[arch]
+
+
 def _rope_parameters(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0)}
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -136,8 +155,7 @@ def transformers_config(config: PretrainedConfig) -> PretrainedConfig:
     """`config` as its architecture's own transformers class (LlamaConfig, ...), for building
     transformers' model of a GGUF file (the benchmark's reference engine, tests)."""
     from transformers import AutoConfig
-    arch = next(arch for arch, name in _ARCHITECTURES.items() if name == config.architectures[0])
-    model_type = _MODEL_TYPES.get(arch, arch)
+    model_type = _MODEL_TYPES[config.architectures[0]]
     fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}  # the generic class's is ""
     return AutoConfig.for_model(model_type, **fields)
 
@@ -162,12 +180,13 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
     if arch == "llama":
         extra["mlp_bias"] = False
     extra |= _gemma_fields(meta, arch, hidden, n_heads, head_dim, layers) if arch in _GEMMA else {"hidden_act": "silu"}
+    extra |= _moe_fields(meta, arch)
     return PretrainedConfig(
-        architectures=[_ARCHITECTURES[arch]],
+        architectures=[_hf_architecture(meta, arch)],
         # The embedding's row count, not tokenizer metadata, is what the weights must match.
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        intermediate_size=meta[f"{arch}.feed_forward_length"],
+        intermediate_size=meta.get(f"{arch}.feed_forward_length") or meta[f"{arch}.expert_feed_forward_length"],
         num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=meta.get(f"{arch}.attention.head_count_kv", n_heads),
@@ -179,6 +198,31 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         **extra,
     )
+
+
+def _moe_fields(meta: dict[str, Any], arch: str) -> dict:
+    """A mixture of experts' config fields as llama.cpp reads the file: every layer sparse, softmax
+    top-k routing, the weights renormalised where the file says (by default but for Qwen2-MoE, as
+    llama.cpp's graphs have it)."""
+    experts = meta.get(f"{arch}.expert_count", 0)
+    if not experts:
+        return {}
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"{arch}.expert_gating_func={gating}: a router scoring other than softmax is not supported")
+    if meta.get(f"{arch}.expert_group_count", 0) > 1:
+        raise ValueError(f"{arch}.expert_group_count={meta[f'{arch}.expert_group_count']}: grouped top-k routing is "
+                         "not supported; the router here is softmax top-k")
+    used = meta[f"{arch}.expert_used_count"]
+    if arch == "llama":  # Mixtral: the experts' size is the feed-forward length, always renormalised
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    fields = {"num_experts": experts, "num_experts_per_tok": used,
+              "moe_intermediate_size": meta[f"{arch}.expert_feed_forward_length"],
+              "norm_topk_prob": meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe"),
+              "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = meta[f"{arch}.expert_shared_feed_forward_length"]
+    return fields
 
 
 def _longrope_parameters(meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str) -> dict[str, Any]:
@@ -214,15 +258,31 @@ def _gemma_fields(meta: dict[str, Any], arch: str, hidden: int, n_heads: int, he
     return fields
 
 
-def _hf_name(gguf_name: str, arch: str) -> str:
-    match = _TENSOR_NAME.fullmatch(gguf_name)
+def _layer_names(meta: dict[str, Any], arch: str) -> dict[str, str]:
+    if arch in _GEMMA:
+        return _GEMMA_LAYER_NAMES
+    if arch == "phi3":
+        return _PHI3_LAYER_NAMES
+    if _hf_architecture(meta, arch) == _MIXTRAL:
+        return _MIXTRAL_LAYER_NAMES
+    return _MOE_LAYER_NAMES if arch in ("qwen3moe", "qwen2moe") else _LAYER_NAMES
+
+
+def _hf_names(tensor: TensorInfo, meta: dict[str, Any], arch: str) -> list[str]:
+    """The Hugging Face names of a file tensor: one, or for a layer's experts (a 3-D tensor) one
+    an expert, in order."""
+    match = _TENSOR_NAME.fullmatch(tensor.name)
     layer, base, kind = match.groups() if match else (None, None, None)
-    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    layer_names = _layer_names(meta, arch)
     if match and layer is None and base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{kind}"
+        return [f"{_GLOBAL_NAMES[base]}.{kind}"]
     if match and layer is not None and base in layer_names:
-        return f"model.layers.{layer}.{layer_names[base]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
+        return [f"model.layers.{layer}.{layer_names[base]}.{kind}"]
+    if match and layer is not None and base in _EXPERT_TENSORS and kind == "weight" and len(tensor.shape) == 3:
+        experts = "block_sparse_moe.experts" if layer_names is _MIXTRAL_LAYER_NAMES else "mlp.experts"
+        projection = _EXPERT_NAMES[experts][_EXPERT_TENSORS[base]]
+        return [f"model.layers.{layer}.{experts}.{e}.{projection}.weight" for e in range(tensor.shape[0])]
+    raise ValueError(f"GGUF tensor {tensor.name!r} has no Hugging Face counterpart")
 
 
 def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -236,9 +296,11 @@ def gguf_block_types(path: str) -> dict[str, str]:
     """HF name -> GGML type of the file's weight matrices stored in a format the engine can keep
     in blocks (loader/quantized.py)."""
     gguf_file = _read(path)
-    arch = _architecture(gguf_file.metadata)
-    return {_hf_name(t.name, arch): t.tensor_type.name for t in gguf_file.tensors.values()
-            if t.tensor_type.name in BLOCK_TYPES and len(t.shape) == 2 and t.name not in _ROPE_FACTOR_TENSORS}
+    meta = gguf_file.metadata
+    arch = _architecture(meta)
+    return {name: t.tensor_type.name for t in gguf_file.tensors.values()
+            if t.tensor_type.name in BLOCK_TYPES and len(t.shape) in (2, 3) and t.name not in _ROPE_FACTOR_TENSORS
+            for name in _hf_names(t, meta, arch)}
 
 
 def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
@@ -256,7 +318,7 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
     arch = _architecture(meta)
     weights = [t for t in gguf_file.tensors.values() if t.name not in _ROPE_FACTOR_TENSORS]
     for t in weights:
-        _hf_name(t.name, arch)
+        _hf_names(t, meta, arch)
         if t.tensor_type not in _SUPPORTED_TYPES:
             supported = ", ".join(sorted(q.name for q in _SUPPORTED_TYPES))
             raise ValueError(
@@ -265,17 +327,15 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
     n_heads = meta.get(f"{arch}.attention.head_count")
     permuted_heads = {"attn_q": n_heads, "attn_k": meta.get(f"{arch}.attention.head_count_kv", n_heads)}
     for t in weights:
-        name = _hf_name(t.name, arch)
-        if name in blocks:
-            if blocks[name] != t.tensor_type.name:
-                raise ValueError(f"GGUF tensor {t.name!r} is {t.tensor_type.name}, not {blocks[name]}")
-            # A copy: the mapping is read-only, and the weight must not keep the file mapped.
-            tensor = QuantizedTensor(torch.from_numpy(t.data.copy()), t.tensor_type.name, t.shape[1])
-        else:
-            array = dequantize(t.data, t.tensor_type).reshape(t.shape)
-            if not array.flags.writeable:  # F32 comes back as a view of the read-only mapping
-                array = array.copy()
-            tensor = torch.from_numpy(array).to(dtype)
+        names = _hf_names(t, meta, arch)
+        if len(t.shape) == 3:  # a layer's experts: one tensor an expert, each read as a 2-D tensor is
+            for e, name in enumerate(names):
+                yield name, _tensor(t.name, t.data[e], t.tensor_type, t.shape[1:], blocks.get(name), dtype)
+            continue
+        name = names[0]
+        tensor = _tensor(t.name, t.data, t.tensor_type, t.shape, blocks.get(name), dtype)
+        if t.name.endswith("ffn_gate_inp_shexp.weight") and tensor.dim() == 1:  # llama.cpp's [hidden]; HF's [1, hidden]
+            tensor = tensor[None]
         base = t.name.split(".")[-2]
         if arch == "llama" and base in permuted_heads:  # qwen2/qwen3 converters do not permute
             if isinstance(tensor, QuantizedTensor):  # whole rows move: blocks move with them
@@ -285,6 +345,21 @@ def iter_gguf_weights(path: str, dtype: torch.dtype = torch.float32,
         if arch in _GEMMA and name.endswith("norm.weight"):
             tensor = tensor - _GEMMA_NORM_OFFSET
         yield name, tensor
+
+
+def _tensor(name: str, data, tensor_type: GGMLQuantizationType, shape: tuple[int, ...], block_type: str | None,
+            dtype: torch.dtype) -> torch.Tensor | QuantizedTensor:
+    """A file tensor's data as its blocks (`block_type`: the type the engine keeps it in, which it
+    must be) or dequantized to `dtype`."""
+    if block_type is not None:
+        if block_type != tensor_type.name:
+            raise ValueError(f"GGUF tensor {name!r} is {tensor_type.name}, not {block_type}")
+        # A copy: the mapping is read-only, and the weight must not keep the file mapped.
+        return QuantizedTensor(torch.from_numpy(np.array(data)), tensor_type.name, shape[1])
+    array = dequantize(data, tensor_type).reshape(shape)
+    if not array.flags.writeable:  # F32 comes back as a view of the read-only mapping
+        array = array.copy()
+    return torch.from_numpy(array).to(dtype)
 
 
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

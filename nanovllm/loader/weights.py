@@ -3,10 +3,16 @@
 Every checkpoint tensor must land in exactly one parameter, and every parameter (every
 shard of a packed one) must be loaded; otherwise loading fails naming the mismatch.
 Packed parameters (`qkv_proj`, `gate_up_proj`) are found through the model's
-`packed_modules_mapping`; each parameter's `weight_loader` knows how to cut its own
-tensor-parallel shard out of the full checkpoint tensor.
+`packed_modules_mapping`; a mixture of experts' per-expert tensors
+(`<block>.experts.<e>.<projection>.weight`) through its `expert_params_mapping` (checkpoint
+projection name -> "gate", "up" or "down"), which loads them into the block's
+`experts.w13_weight` (gate and up) and `experts.w2_weight` (down) with shard id (e, projection).
+A parameter whose shards are not its module's packed ones lists them itself (`shard_ids`).
+Each parameter's `weight_loader` knows how to cut its own tensor-parallel shard out of the full
+checkpoint tensor.
 """
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -27,8 +33,18 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     param.data.copy_(loaded_weight)
 
 
-def packed_target(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[str, object]:
+_EXPERT_TENSOR = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+# The fused experts' parameters each projection loads into.
+EXPERT_PARAMS = {"gate": "w13_weight", "up": "w13_weight", "down": "w2_weight"}
+
+
+def packed_target(name: str, mapping: dict[str, tuple[str, object]],
+                  expert_mapping: dict[str, str] | None = None) -> tuple[str, object]:
     """Map a checkpoint name to (parameter name, shard id); shard id None when not packed."""
+    match = _EXPERT_TENSOR.fullmatch(name) if expert_mapping else None
+    if match and match.group(3) in expert_mapping:
+        projection = expert_mapping[match.group(3)]
+        return f"{match.group(1)}.{EXPERT_PARAMS[projection]}", (int(match.group(2)), projection)
     for source, (packed, shard_id) in mapping.items():
         part = f".{source}."
         if part in name:
@@ -47,6 +63,7 @@ def shards_of(mapping: dict[str, tuple[str, object]]) -> dict[str, set[object]]:
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     mapping: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    expert_mapping: dict[str, str] = getattr(model, "expert_params_mapping", {})
     params = dict(model.named_parameters())
     # Tied weights appear once in `params`; their other names (e.g. lm_head.weight when
     # the head reuses the embedding) are aliases a checkpoint may still carry.
@@ -57,7 +74,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if name in aliases or name.endswith(_DERIVED_SUFFIXES):
             continue
-        target, shard_id = packed_target(name, mapping)
+        target, shard_id = packed_target(name, mapping, expert_mapping)
         param = params.get(target)
         if param is None:
             unexpected.append(name)
@@ -75,7 +92,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     missing = []
     for name in params:
         module_name = name.split(".")[-2] if "." in name else ""
-        expected = expected_shards.get(module_name, {None})
+        expected = getattr(params[name], "shard_ids", None) or expected_shards.get(module_name, {None})
         missing += [name if s is None else f"{name} (shard {s!r})" for s in expected - loaded[name]]
 
     if unexpected or missing:

@@ -5,14 +5,18 @@ A family states how it differs as data, a `DecoderDescription` read from its HF 
 class's `describe` (models/<family>.py): biases, q/k norm, the norms' weight offset and whether
 the attention's and the MLP's outputs are normed too, the MLP's activation, the embedding scale,
 the attention scale and logit softcap, each layer's kind (full or sliding window, with its own
-RoPE), the final logit softcap. Platforms read the same description off the built layers (the
+RoPE), the final logit softcap, and for a mixture of experts (`MoEDescription`) which layers'
+MLPs are sparse and how they route. Platforms read the same description off the built layers (the
 CPU's fused path), so a new dense family needs no forward of its own.
 
 Parameter names mirror HF's, except that q/k/v and gate/up are packed (`qkv_proj`,
 `gate_up_proj`); `packed_modules_mapping` tells the loader how HF names map onto them (a family
 whose checkpoints store them packed already maps nothing). Every module that holds a weight is
 built with its prefix (its name in the model), by which the LinearMethodChooser gives it its
-linear method.
+linear method. A sparse layer's block (`SparseMoeBlock`) is its family's HF module (`mlp`, or
+Mixtral's `block_sparse_moe`): a router (`gate`), the experts as one FusedMoE layer (`experts`,
+loaded through the family's `expert_params_mapping`) and, in Qwen2-MoE, a shared expert beside
+them with its sigmoid gate.
 """
 
 from dataclasses import dataclass
@@ -26,11 +30,27 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.decoder_layers import DecoderLayers
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide
+from nanovllm.layers.fused_moe import FusedMoE
+from nanovllm.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                    divide)
 from nanovllm.layers.quantization.chooser import LinearMethodChooser
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters_from_config
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class MoEDescription:
+    """A mixture of experts' MLPs: `sparse_layers` says which layers have one (the others keep a
+    dense MLP of the config's intermediate_size)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # an expert's
+    renormalize: bool  # the chosen experts' weights renormalised to sum to 1
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    module_name: str = "mlp"  # the block's HF name (Mixtral: block_sparse_moe)
 
 
 @dataclass(frozen=True)
@@ -55,12 +75,16 @@ class DecoderDescription:
     # many positions (its own included). Empty: every layer full.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    moe: MoEDescription | None = None
 
     def layer_type(self, index: int) -> str:
         return self.layer_types[index] if self.layer_types else FULL_ATTENTION
 
     def window(self, index: int) -> int | None:
         return self.sliding_window if self.layer_type(index) == SLIDING_ATTENTION else None
+
+    def sparse(self, index: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[index]
 
 
 def head_dim_of(config) -> int:
@@ -120,20 +144,55 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
+    """`reduce_results` False leaves the all-reduce of tensor-parallel partial sums to the caller."""
+
     def __init__(self, config, description: DecoderDescription, tp_group: TPGroup,
-                 linear_methods: LinearMethodChooser | None, prefix: str):
+                 linear_methods: LinearMethodChooser | None, prefix: str, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
-        divide(config.intermediate_size, tp_group.world_size, "intermediate_size")
+        intermediate_size = intermediate_size or config.intermediate_size
+        divide(intermediate_size, tp_group.world_size, "intermediate_size")
         bias = description.mlp_bias
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2,
                                                        tp_group=tp_group, bias=bias, linear_methods=linear_methods,
                                                        prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp_group=tp_group, bias=bias,
-                                           linear_methods=linear_methods, prefix=f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, tp_group=tp_group, bias=bias,
+                                           linear_methods=linear_methods, prefix=f"{prefix}.down_proj",
+                                           reduce_results=reduce_results)
         self.act_fn = gated_activation(description.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """A sparse layer's MLP: the router's logits pick each token's experts; their weighted sum, plus
+    the shared expert's output scaled by sigmoid of its gate where there is one, all-reduced once
+    under tensor parallelism."""
+
+    def __init__(self, config, description: DecoderDescription, tp_group: TPGroup,
+                 linear_methods: LinearMethodChooser | None, prefix: str):
+        super().__init__()
+        moe = description.moe
+        self.tp_group = tp_group
+        # A token's experts must not depend on the rest of its step (batch invariance).
+        self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts, linear_methods=linear_methods,
+                                     prefix=f"{prefix}.gate", batch_invariant=True)
+        self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
+                                tp_group=tp_group, renormalize=moe.renormalize, activation=description.activation,
+                                linear_methods=linear_methods, prefix=f"{prefix}.experts")
+        self.shared_expert = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = DecoderMLP(config, description, tp_group, linear_methods, f"{prefix}.shared_expert",
+                                            moe.shared_expert_intermediate_size, reduce_results=False)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, linear_methods=linear_methods,
+                                                       prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp_group.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -148,7 +207,14 @@ class DecoderLayer(nn.Module):
         self.description = description
         self.self_attn = DecoderAttention(config, description, index, rotary_emb, tp_group, linear_methods,
                                           f"{prefix}.self_attn")
-        self.mlp = DecoderMLP(config, description, tp_group, linear_methods, f"{prefix}.mlp")
+        # The MLP under its family's HF name (`mlp`, or a sparse block's own).
+        if description.sparse(index):
+            self.mlp_name = description.moe.module_name
+            mlp = SparseMoeBlock(config, description, tp_group, linear_methods, f"{prefix}.{self.mlp_name}")
+        else:
+            self.mlp_name = "mlp"
+            mlp = DecoderMLP(config, description, tp_group, linear_methods, f"{prefix}.mlp")
+        setattr(self, self.mlp_name, mlp)
 
         def norm() -> RMSNorm:
             return RMSNorm(config.hidden_size, config.rms_norm_eps, description.norm_weight_offset)
@@ -167,9 +233,14 @@ class DecoderLayer(nn.Module):
         if self.description.sandwich_norms:
             hidden = self.post_attention_layernorm(hidden)
             hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+            return self.post_feedforward_layernorm(self.feed_forward(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The layer's MLP: dense (DecoderMLP) or sparse (SparseMoeBlock)."""
+        return getattr(self, self.mlp_name)
 
 
 class DecoderModel(nn.Module):

@@ -6,9 +6,12 @@ from torch import nn
 from nanovllm.models.gemma2 import Gemma2ForCausalLM
 from nanovllm.models.gemma3 import Gemma3ForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.mixtral import MixtralForCausalLM
 from nanovllm.models.phi3 import Phi3ForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
+from nanovllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -18,6 +21,14 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+}
+# Architectures people ask for whose mixture-of-experts router the engine does not run.
+_UNSUPPORTED_ROUTERS = {
+    "DeepseekV2ForCausalLM": "grouped top-k routing",
+    "DeepseekV3ForCausalLM": "grouped top-k routing with sigmoid scores and a bias",
 }
 
 
@@ -37,4 +48,7 @@ def get_model_class(hf_config) -> type[nn.Module]:
     for arch in architectures:
         if arch in _MODELS:
             return _MODELS[arch]
+        if arch in _UNSUPPORTED_ROUTERS:
+            raise ValueError(f"{arch}: its mixture-of-experts router ({_UNSUPPORTED_ROUTERS[arch]}) is not supported; "
+                             f"the router here is softmax top-k; supported: {', '.join(supported_architectures())}")
     raise ValueError(f"unsupported architecture {architectures}; supported: {', '.join(supported_architectures())}")

@@ -20,6 +20,7 @@ from torch import nn
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
+from nanovllm.layers.quantization.moe_methods import MoEMethod, UnquantizedMoEMethod
 from nanovllm.layers.sampling_ops import SamplingOps
 
 
@@ -69,14 +70,25 @@ class Platform:
     def prepare_model(self, model: nn.Module) -> None:
         """Called once the weights are loaded and processed: where they lie in memory."""
 
-    def dense_linear_method(self) -> LinearMethod:
-        """The linear method of a layer that multiplies a dense weight (the plain one here)."""
+    def dense_linear_method(self, batch_invariant: bool = False) -> LinearMethod:
+        """The linear method of a layer that multiplies a dense weight (the plain one here);
+        `batch_invariant` asks for one whose rows do not depend on the step's other rows, where the
+        platform promises that (the CPU's quantized path)."""
         return UnquantizedLinearMethod()
 
     def block_linear_method(self, shard_types: dict[object, str]) -> LinearMethod | None:
         """The linear method that multiplies a layer's weight kept in GGML block types, or None where
         this platform does not (the weight is then dequantized at load). `shard_types`: each
         projection's type by shard id (a packed layer's q/k/v or gate/up), {None: type} unpacked."""
+        return None
+
+    def dense_moe_method(self) -> MoEMethod:
+        """The MoE method of a mixture of experts whose experts' weights are dense (the plain one here)."""
+        return UnquantizedMoEMethod()
+
+    def block_moe_method(self, gate_up_type: str, down_type: str) -> MoEMethod | None:
+        """The MoE method that runs experts kept in GGML block types (gate and up in one, down in
+        another), or None where this platform does not (they are then dequantized at load)."""
         return None
 
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.quantization.cpu_packed_bf16 import CPUPackedBF16LinearMethod
+from nanovllm.layers.quantization.moe_methods import MoEMethod
 from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.platforms import Platform
 from nanovllm.platforms.cpu_fused_layers import FusedDecoderLayers, unfusable_reason
@@ -69,6 +70,7 @@ class CPUPlatform(Platform):
         # inside the graph are not worth a compile on CPU).
         self.compiled = not enforce_eager and tp_group.world_size == 1
         self._packed_bf16: CPUPackedBF16LinearMethod | None = None
+        self._packed_bf16_every_step: CPUPackedBF16LinearMethod | None = None
         # What layer_runner chose, for the start-up's log line.
         self.layer_path = ("the decoder layers run in turn (enforce_eager)" if enforce_eager else
                            "the decoder layers run in turn (tensor-parallel ranks run eager)")
@@ -96,13 +98,22 @@ class CPUPlatform(Platform):
         return KernelSamplingOps() if cpu_kernels.has_simd_kernels() else SamplingOps()
 
     def prepare_model(self, model: nn.Module) -> None:
-        cpu_kernels.move_to_huge_pages([m.weight for m in model.modules()
-                                        if getattr(getattr(m, "linear_method", None), "streams_weight", False)])
+        streamed = [m.weight for m in model.modules()
+                    if getattr(getattr(m, "linear_method", None), "streams_weight", False)]
+        streamed += [w for m in model.modules() if getattr(getattr(m, "moe_method", None), "streams_weight", False)
+                     for w in (m.w13_weight, m.w2_weight)]
+        cpu_kernels.move_to_huge_pages(streamed)
 
-    def dense_linear_method(self) -> LinearMethod:
+    def dense_linear_method(self, batch_invariant: bool = False) -> LinearMethod:
         if not self._on_kernels():
             return UnquantizedLinearMethod()
-        # One for the whole model: its layers' packed copies share one arena.
+        # One for the whole model: its layers' packed copies share one arena. The packed kernel
+        # computes an output element alike for any number of rows, oneDNN's GEMM does not: a layer
+        # that must be batch-invariant (a router: a small weight) runs the packed kernel at every step.
+        if batch_invariant:
+            if self._packed_bf16_every_step is None:
+                self._packed_bf16_every_step = CPUPackedBF16LinearMethod(every_step_packed=True)
+            return self._packed_bf16_every_step
         if self._packed_bf16 is None:
             self._packed_bf16 = CPUPackedBF16LinearMethod()
         return self._packed_bf16
@@ -117,6 +128,10 @@ class CPUPlatform(Platform):
         if len(qtypes) == 1:
             return CPUGGUFLinearMethod(qtypes.pop(), self.dtype)
         return CPUGGUFPartsLinearMethod(shard_types, self.dtype)
+
+    def block_moe_method(self, gate_up_type: str, down_type: str) -> MoEMethod | None:
+        from nanovllm.layers.quantization.cpu_gguf_moe import CPUGGUFMoEMethod
+        return CPUGGUFMoEMethod(gate_up_type, down_type) if cpu_kernels.available() else None
 
     def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # Costs nothing until a page is first written; in ordinary pages, as a step writes a

@@ -24,7 +24,7 @@ from torch import nn
 from nanovllm.attention.base import get_forward_context
 from nanovllm.attention.cpu import CPUBackend
 from nanovllm.layers.decoder_layers import run_in_turn
-from nanovllm.models.decoder import DecoderLayer
+from nanovllm.models.decoder import DecoderLayer, DecoderMLP
 
 # The gated activations the call runs (decoder_layer.cpp's Activation), by HF's names.
 ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -59,6 +59,8 @@ def _layer_reason(layer: nn.Module) -> str | None:
     if not isinstance(layer, DecoderLayer):
         return f"{type(layer).__name__} is not a DecoderLayer (models/decoder.py), the only kind the kernel runs"
     attn = layer.self_attn
+    if not isinstance(layer.feed_forward, DecoderMLP):
+        return "its MLP is a mixture of experts (the call runs dense MLPs)"
     if layer.description.activation not in ACTIVATION_KINDS:
         return f"its activation {layer.description.activation!r} has no kernel (only {', '.join(ACTIVATION_KINDS)})"
     norms = _norms(layer)

@@ -36,6 +36,14 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t type, int64_t in_fe
 // A file's rows in their format's lanes layout (type 1000 + theirs).
 at::Tensor gguf_repack(const at::Tensor& blocks, int64_t type, int64_t in_features);
 
+// moe.cpp: a mixture-of-experts layer's experts in blocks (w13: each expert's 2 x intermediate
+// gate then up rows, w2: its hidden down rows, lanes layouts), routed by topk_ids/topk_weights
+// [tokens, k]; activation 0 silu, 1 gelu_tanh.
+at::Tensor gguf_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                    const at::Tensor& w13, int64_t w13_type, const at::Tensor& w2, int64_t w2_type,
+                    int64_t intermediate, int64_t activation, int64_t max_streaming_rows, int64_t w13_bits,
+                    int64_t w2_bits);
+
 // attention.cpp
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slot_mapping);

@@ -810,10 +810,11 @@ bool has_byte_products(const Part& part) {
   return bytes;
 }
 
-// Output columns [begin, end) of `part` (within it) for the M rows of x in xq.
+// Output columns [begin, end) of `part` (within it) for rows m_first to m_first + M - 1 of x in
+// xq, into the same rows of y.
 template <class F, typename T>
 void streaming_rows(const QuantizedRows& xq, const Part& part, int64_t begin, int64_t end, const float* bias, T* y,
-                  int64_t M, int64_t N, int64_t K) {
+                    int64_t m_first, int64_t M, int64_t N, int64_t K) {
   const int64_t passes = (M + kMaxPass - 1) / kMaxPass;
   const auto store = [&](int64_t m, int64_t n, float value) {
     y[m * N + n] = T(value + (bias != nullptr ? bias[n] : 0.0f));
@@ -829,8 +830,8 @@ void streaming_rows(const QuantizedRows& xq, const Part& part, int64_t begin, in
   float out[kRun * kMaxPass];
   for (int64_t n = begin; n < end; n += kRun) {
     const int64_t run = std::min(kRun, end - n);
-    for (int64_t i = 0, m0 = 0; i < passes; i++) {
-      const int64_t rows = (M - m0) / (passes - i);
+    for (int64_t i = 0, m0 = m_first; i < passes; i++) {
+      const int64_t rows = (m_first + M - m0) / (passes - i);
       table[rows - 1](row(n), part.w_stride, run, K, xq, m0, out);
       for (int64_t r = 0; r < run; r++)
         for (int64_t m = 0; m < rows; m++) store(m0 + m, n + r, out[r * rows + m]);
@@ -853,7 +854,7 @@ void streaming_linear(const QuantizedRows& xq, const std::vector<Part>& parts, c
       const int64_t lo = std::max(begin, part.first), hi = std::min(end, part.first + part.rows);
       if (lo < hi)
         with_lanes_format(part.type, [&](auto format) {
-          streaming_rows<decltype(format)>(xq, part, lo, hi, bias, y, M, N, K);
+          streaming_rows<decltype(format)>(xq, part, lo, hi, bias, y, 0, M, N, K);
         });
     }
   });

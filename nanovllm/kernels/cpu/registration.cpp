@@ -1,10 +1,10 @@
 // CPU kernels for the decode-heavy parts of a step, registered here as torch ops (namespace
 // nanovllm_cpu) and built on first use by nanovllm/kernels/cpu.py. One file per op family:
 // linear.cpp (the packed bf16 linear, oneDNN's packed weights), quantized.cpp (GGUF's block
-// formats), attention.cpp (the paged KV cache: store_kv, paged_attention), sampling.cpp,
-// elementwise.cpp (gated SiLU, RMSNorm), decoder_layer.cpp (runs of Llama-family layers as one call
-// over the others); the SIMD layer they share, which alone knows the
-// instruction set, is simd.h.
+// formats), moe.cpp (a mixture of experts' experts in blocks), attention.cpp (the paged KV cache:
+// store_kv, paged_attention), sampling.cpp, elementwise.cpp (gated SiLU, RMSNorm),
+// decoder_layer.cpp (runs of Llama-family layers as one call over the others); the SIMD layer
+// they share, which alone knows the instruction set, is simd.h.
 
 #include "ops.h"
 #include "simd.h"
@@ -21,6 +21,8 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int type, Tensor? bias, int max_streaming_rows, int activation_bits=16) -> Tensor");
   m.def("gguf_linear_parts(Tensor x, Tensor blocks, Tensor parts, int out_features, Tensor? bias, int max_streaming_rows, "
         "int activation_bits=16) -> Tensor");
+  m.def("gguf_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, int w13_type, Tensor w2, int w2_type, "
+        "int intermediate, int activation, int max_streaming_rows, int w13_bits, int w2_bits) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("gguf_repack(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -54,6 +56,7 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("linear_packed", &nanovllm_cpu::linear_packed);
   m.impl("gguf_linear", &nanovllm_cpu::gguf_linear);
   m.impl("gguf_linear_parts", &nanovllm_cpu::gguf_linear_parts);
+  m.impl("gguf_moe", &nanovllm_cpu::gguf_moe);
   m.impl("gguf_dequantize", &nanovllm_cpu::gguf_dequantize);
   m.impl("gguf_repack", &nanovllm_cpu::gguf_repack);
   m.impl("store_kv", &nanovllm_cpu::store_kv);

@@ -6,7 +6,11 @@ weight on every larger step. The `linear` op picks between them by row count.
 The copies cost twice the weights' size in RAM. One method object serves every layer of a model
 (the platform makes it once): it sizes one arena for all their packed copies as the layers are
 built, in transparent huge pages (hardware prefetchers stop at page boundaries), and fills each
-layer's part of it once the layer is loaded."""
+layer's part of it once the layer is loaded.
+
+Made `every_step_packed`, it runs the packed kernel for any number of rows and keeps no oneDNN
+copy: each output element is then computed alike whatever the step's size (batch invariance), for
+weights small enough that the GEMM's speed does not matter (a router)."""
 
 import math
 
@@ -18,8 +22,10 @@ from nanovllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
 class CPUPackedBF16LinearMethod(UnquantizedLinearMethod):
-    def __init__(self):
-        self.max_packed_rows = cpu_kernels.packed_max_rows()  # a constant to the compiled graphs
+    def __init__(self, every_step_packed: bool = False):
+        self.every_step_packed = every_step_packed
+        # A constant to the compiled graphs.
+        self.max_packed_rows = 2 ** 62 if every_step_packed else cpu_kernels.packed_max_rows()
         self.arena_elements = 0  # every layer built with this method: the arena's size
         self.arena: torch.Tensor | None = None  # mapped at the first layer's turn, once all are built
         self.arena_filled = 0
@@ -38,7 +44,8 @@ class CPUPackedBF16LinearMethod(UnquantizedLinearMethod):
         self.arena_filled += size
         layer.register_buffer("packed_weight", cpu_kernels.pack_linear_weight(layer.weight, out=part),
                               persistent=False)
-        onednn = cpu_kernels.onednn_pack(layer.weight, owner=layer) if torch.backends.mkldnn.is_available() else None
+        onednn = (cpu_kernels.onednn_pack(layer.weight, owner=layer)
+                  if torch.backends.mkldnn.is_available() and not self.every_step_packed else None)
         layer.register_buffer("onednn_weight", onednn, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
