@@ -155,6 +155,8 @@ TINY_TWINS = {  # the table's fields at a test's size; qwen3's head_dim is not h
     "tiny-qwen2": bench_twins.TwinShape("qwen2", 64, 128, 2, 4, 2, 16, 320, 10000.0, 1e-6, 256, True),
     "tiny-qwen3": bench_twins.TwinShape("qwen3", 64, 128, 2, 4, 2, 32, 320, 10000.0, 1e-6, 256, False),
     "tiny-gemma3": bench_twins.TwinShape("gemma3", 64, 128, 2, 4, 2, 32, 320, 10000.0, 1e-6, 256, True, 8),
+    "tiny-qwen3moe": bench_twins.TwinShape("qwen3moe", 64, 128, 2, 4, 2, 32, 320, 10000.0, 1e-6, 256, True, None,
+                                           4, 2, 32),
 }
 
 
@@ -175,12 +177,14 @@ def test_a_twin_has_its_shape_and_runs_in_the_engine(twin_cache, name):
     assert path == str(twin_cache / f"{name}-F16.gguf") and os.listdir(twin_cache) == [f"{name}-F16.gguf"]
     config = load_gguf_config(path)
     assert config.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                     "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[shape.architecture]]
+                                     "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                     "qwen3moe": "Qwen3MoeForCausalLM"}[shape.architecture]]
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.vocab_size, rope["rope_theta"],
             config.rms_norm_eps, config.max_position_embeddings, config.tie_word_embeddings,
-            getattr(config, "sliding_window", None)) == \
+            getattr(config, "sliding_window", None), getattr(config, "num_experts", 0),
+            getattr(config, "num_experts_per_tok", 0), getattr(config, "moe_intermediate_size", 0)) == \
         pytest.approx(dataclasses.astuple(shape)[1:])  # the file's floats are float32
     weights = dict(iter_gguf_weights(path))
     hidden, q, kv = shape.hidden_size, shape.num_attention_heads * shape.head_dim, 2 * shape.head_dim
@@ -191,32 +195,40 @@ def test_a_twin_has_its_shape_and_runs_in_the_engine(twin_cache, name):
              "post_attention_layernorm.weight": (hidden,)}
     gemma3 = {"self_attn.q_norm.weight": (32,), "self_attn.k_norm.weight": (32,),
               "pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,)}
+    experts = {f"mlp.experts.{e}.{p}_proj.weight": (hidden, 32) if p == "down" else (32, hidden)
+               for e in range(4) for p in ("gate", "up", "down")}
+    if shape.num_experts:
+        layer = {k: v for k, v in layer.items() if not k.startswith("mlp.")} | experts | {"mlp.gate.weight": (4, hidden)}
     layer |= {"qwen2": {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)},
               "qwen3": {"self_attn.q_norm.weight": (32,), "self_attn.k_norm.weight": (32,)},
+              "qwen3moe": {"self_attn.q_norm.weight": (32,), "self_attn.k_norm.weight": (32,)},
               "gemma3": gemma3}.get(shape.architecture, {})
     expected = {"model.embed_tokens.weight": (320, hidden), "model.norm.weight": (hidden,)}
     expected |= {} if shape.tie_word_embeddings else {"lm_head.weight": (320, hidden)}
     expected |= {f"model.layers.{i}.{k}": v for i in range(2) for k, v in layer.items()}
     assert {k: tuple(w.shape) for k, w in weights.items()} == expected
-    assert 0.015 < weights["model.layers.1.mlp.up_proj.weight"].std() < 0.025  # random, not zeros
+    up = "mlp.experts.3.up_proj" if shape.num_experts else "mlp.up_proj"
+    assert 0.015 < weights[f"model.layers.1.{up}.weight"].std() < 0.025  # random, not zeros
     llm = LLM(path, dtype="float32", enforce_eager=True, num_kvcache_blocks=16, max_model_len=64)
     assert len(llm.llm_engine.tokenizer) == 320
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_a_quantized_twin_loads_in_both_engines_and_is_reused(twin_cache, monkeypatch):
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3moe"])
+def test_a_quantized_twin_loads_in_both_engines_and_is_reused(twin_cache, monkeypatch, name):
     llama_cpp = pytest.importorskip("llama_cpp")
-    path = bench_twins.build_twin(bench_twins.parse_twin("tiny-qwen3:Q8_0"))
-    assert sorted(os.listdir(twin_cache)) == ["tiny-qwen3-F16.gguf", "tiny-qwen3-Q8_0.gguf"]  # no partial left
-    assert set(gguf_block_types(path).values()) == {"Q8_0"}  # every matrix quantized to the type asked
+    path = bench_twins.build_twin(bench_twins.parse_twin(f"{name}:Q8_0"))
+    assert sorted(os.listdir(twin_cache)) == [f"{name}-F16.gguf", f"{name}-Q8_0.gguf"]  # no partial left
+    # Every matrix quantized to the type asked (but a router, which llama.cpp keeps in F32).
+    assert set(gguf_block_types(path).values()) == {"Q8_0"} and not any(".gate." in n for n in gguf_block_types(path))
     load_gguf_config(path)
     model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
     assert model and llama_cpp.llama_model_n_params(model) > 0
     llama_cpp.llama_model_free(model)
     monkeypatch.setattr(bench_twins, "quantize", None)  # a second build must not call it
     monkeypatch.setattr(bench_twins, "write_f16_twin", None)
-    assert bench_twins.build_twin(bench_twins.parse_twin("tiny-qwen3:Q8_0")) == path
+    assert bench_twins.build_twin(bench_twins.parse_twin(f"{name}:Q8_0")) == path
 
 
 def test_a_failed_write_leaves_no_file(twin_cache, monkeypatch):
@@ -241,8 +253,15 @@ def test_the_shapes_are_the_real_models():
     real = {"smollm2-135m": 134_515_008, "smollm2-1.7b": 1_711_376_384, "qwen3-0.6b": 596_049_920,
             "llama-3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "gemma-3-1b": 999_885_952,
             "gemma-3-1b-as-llama": 999_885_952 - 26 * (2 * 1152 + 2 * 256)}  # less Gemma's extra norms
+    # The mixture of experts sized to these machines, and its dense twin of the same active size:
+    # per layer 5,245,184 of attention and norms, then a router and 64 experts of 3 x 256 x 1024,
+    # or one MLP of 3 x 2048 x 1024; the tied embedding 151,936 x 1024, the final norm 1024.
+    designed = {"qwen3-moe-1.7b-a0.3b": 28 * (5_245_184 + 64 * 1024 + 64 * 3 * 256 * 1024) + 155_582_464 + 1024,
+                "qwen3-moe-1.7b-a0.3b-as-dense": 28 * (5_245_184 + 3 * 2048 * 1024) + 155_582_464 + 1024}
     assert {name: sum(map(math.prod, bench_twins.tensor_shapes(shape).values()))
-            for name, shape in bench_twins.SHAPES.items()} == real
+            for name, shape in bench_twins.SHAPES.items()} == real | designed
+    moe = bench_twins.SHAPES["qwen3-moe-1.7b-a0.3b"]
+    assert moe.active_share() == 8 / 64 and bench_twins.tensor_shapes(moe)["blk.0.ffn_down_exps.weight"] == (64, 1024, 256)
     shapes = bench_twins.tensor_shapes(bench_twins.SHAPES["qwen2.5-0.5b"])
     assert shapes["blk.23.attn_k.bias"] == (128,) and shapes["token_embd.weight"] == (151936, 896)
     assert "output.weight" not in shapes  # tied
@@ -299,11 +318,35 @@ def test_w2_takes_its_lengths_from_the_options(tiny_checkpoint, small_workloads,
         bench.main(parser.parse_args(["--model", model, "--output-len", "1"]))
 
 
-def test_the_w2_table_gives_each_decode_rate_share_of_the_bound(tmp_path, capsys):
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"\0" * 1000)
-    bound = bench.decode_bound_tok_s(str(model), 2e-4)  # 200 kB/s over 1 kB: 200 tok/s
-    assert bound == pytest.approx(200) and bench.decode_bound_tok_s(str(tmp_path), 2e-4) is None
+def _gguf_with(path, arch: str, tensors: dict[str, tuple[int, ...]], **experts) -> str:
+    import gguf
+    import numpy as np
+    writer = gguf.GGUFWriter(str(path), arch)
+    if experts:
+        writer.add_expert_count(experts["count"])
+        writer.add_expert_used_count(experts["used"])
+    for name, shape in tensors.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_the_decode_bound_counts_a_tokens_bytes_of_the_file(tmp_path):
+    """The whole file for a dense model; of a mixture of experts, the experts a token takes."""
+    dense = _gguf_with(tmp_path / "dense.gguf", "llama", {"token_embd.weight": (8, 32)})
+    size = os.path.getsize(dense)
+    assert bench.decode_bound_tok_s(dense, size * 200 / 1e9) == pytest.approx(200)
+    assert bench.decode_bound_tok_s(str(tmp_path), 1.0) is None  # a Hugging Face directory
+    moe = _gguf_with(tmp_path / "moe.gguf", "qwen3moe", {"token_embd.weight": (8, 32),
+                                                         "blk.0.ffn_up_exps.weight": (4, 8, 32)}, count=4, used=1)
+    assert bench.decode_bytes(moe) == os.path.getsize(moe) - 4 * 8 * 32 * 4 * 3 / 4
+
+
+def test_the_w2_table_gives_each_decode_rate_share_of_the_bound(capsys):
+    bound = 200.0
     bench.print_latency({"nano-vllm": bench.Latency(0.1, 150.0), "llama.cpp": bench.Latency(0.1, 100.0)}, bound)
     out = capsys.readouterr().out
     assert [line.split() for line in out.splitlines()[3:6]] == [

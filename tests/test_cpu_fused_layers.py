@@ -1,9 +1,10 @@
 """Decoder layers as one kernel call (platforms/cpu_fused_layers.py): in bf16 on the SIMD
 kernels, the layers of every family (Llama, Qwen2's q/k/v bias, Qwen3's q/k norm, Mistral's
 sliding window, Gemma 2's sandwich norms, tanh GELU, softcaps and alternating windows, Gemma 3's
-local and global layers, Phi-4-mini's partial rotary LongRoPE), on packed bf16 or GGUF block weights, run fused and return the eager
+local and global layers, Phi-4-mini's partial rotary LongRoPE, Qwen3-MoE's and Mixtral's experts
+kept in blocks beside dense layers), on packed bf16 or GGUF block weights, run fused and return the eager
 layer's output bit for bit, step after step: prefill, decode and mixed steps give eager's tokens
-and log-probabilities exactly."""
+and log-probabilities exactly. What the call cannot run stays compiled, and says why."""
 
 import pytest
 import torch
@@ -53,6 +54,36 @@ def test_fused_steps_equal_eager(tmp_path, family, quantization):
     fused, eager = LLM(str(path), **settings), LLM(str(path), enforce_eager=True, **settings)
     assert type(_runner(fused)) is FusedDecoderLayers and _runner(eager) is None
     assert _greedy(fused) == _greedy(eager)
+
+
+MOE_FAMILIES = {
+    "qwen3-moe-a-dense-layer": family_config("qwen3-moe", None, mlp_only_layers=[1]),
+    "mixtral-window": family_config("mixtral", 20),
+}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("quantization", ["q4_0", "q8_0"])
+def test_fused_experts_in_blocks_equal_eager(tmp_path, family, quantization):
+    """The router (packed bf16 at every step), its ATen top-k and the experts' kernel in the call."""
+    arch, extra = MOE_FAMILIES[family]
+    path = make_tiny_checkpoint(tmp_path, arch, **extra)
+    settings = dict(dtype="bfloat16", num_kvcache_blocks=32, max_num_batched_tokens=48, quantization=quantization)
+    fused, eager = LLM(str(path), **settings), LLM(str(path), enforce_eager=True, **settings)
+    assert type(_runner(fused)) is FusedDecoderLayers
+    assert _greedy(fused) == _greedy(eager)
+
+
+@pytest.mark.parametrize("family,quantization,reason", [
+    ("qwen2-moe", "q8_0", "its mixture of experts has a shared expert"),
+    ("qwen3-moe", None, "its experts' method (UnquantizedMoEMethod) has no fused kernel"),
+])
+def test_experts_the_call_cannot_run_stay_compiled(tmp_path, family, quantization, reason):
+    arch, extra = family_config(family, None)
+    llm = LLM(str(make_tiny_checkpoint(tmp_path, arch, **extra)), dtype="bfloat16", num_kvcache_blocks=16,
+              quantization=quantization)
+    assert type(_runner(llm)) is CompiledDecoderLayers
+    assert reason in llm.llm_engine.executor.platform.layer_path
 
 
 def test_fused_layers_return_the_eager_layers_output(tmp_path):

@@ -21,9 +21,9 @@ running to the longest `max_tokens`; only the requested tokens count as output.
 `--twin SHAPE:TYPE` runs a random-weight twin of a real model (bench_twins) instead of --model.
 The machine line gives the read bandwidth (a sum over a 1 GiB buffer on the engine's threads);
 with a GGUF file, W2 gives each decode rate's share of the bound it sets: a decode step reads
-about the whole file (every weight once, the tied embedding as the output head), so an engine
-reading it from memory decodes no faster than bandwidth / file size (a file not much larger than
-the CPU's caches can pass it). `--contention` runs the workloads beside a busy llama.cpp
+about the whole file (every weight once, the tied embedding as the output head; of a mixture of
+experts, only the chosen experts' share), so an engine reading it from memory decodes no faster
+than bandwidth / those bytes (a file not much larger than the CPU's caches can pass it). `--contention` runs the workloads beside a busy llama.cpp
 neighbour (bench_llama_cpp); the bandwidth is measured before it starts.
 """
 
@@ -256,12 +256,27 @@ def read_bandwidth_gbs() -> float:
     return BANDWIDTH_BUFFER_BYTES / min(_timed(buffer.sum) for _ in range(BANDWIDTH_PASSES)) / 1e9
 
 
+def decode_bytes(model_path: str) -> float:
+    """The bytes of a GGUF file a decode token reads: every weight once (the tied embedding as the
+    output head), but of a mixture of experts only the share of the experts a token takes."""
+    from nanovllm.loader.gguf_reader import read_gguf_header
+    header = read_gguf_header(model_path)
+    size = os.path.getsize(model_path)
+    arch = header.metadata.get("general.architecture")
+    experts = header.metadata.get(f"{arch}.expert_count", 0)
+    if not experts:
+        return size
+    expert_bytes = sum(t.data.nbytes for t in header.tensors.values() if "_exps." in t.name)
+    return size - expert_bytes * (1 - header.metadata[f"{arch}.expert_used_count"] / experts)
+
+
 def decode_bound_tok_s(model_path: str, bandwidth_gbs: float) -> float | None:
-    """The decode rate of reading the GGUF file's bytes once a token at `bandwidth_gbs` (None
-    for a Hugging Face directory, whose weights the engines may hold in another dtype)."""
+    """The decode rate of reading a token's bytes of the GGUF file (decode_bytes) at
+    `bandwidth_gbs` (None for a Hugging Face directory, whose weights the engines may hold in
+    another dtype)."""
     if not model_path.endswith(".gguf"):
         return None
-    return bandwidth_gbs * 1e9 / os.path.getsize(model_path)
+    return bandwidth_gbs * 1e9 / decode_bytes(model_path)
 
 
 def _ratio(a: float, b: float) -> str:
@@ -314,7 +329,7 @@ def print_latency(results: dict[str, Latency], bound_tok_s: float | None = None,
     _print_table(columns, rows)
     if bound_tok_s:
         above = any(r.decode_tok_s > bound_tok_s for r in results.values())
-        print(f"  bound: {bound_tok_s:.1f} tok/s, the read bandwidth over the model file's size"
+        print(f"  bound: {bound_tok_s:.1f} tok/s, the read bandwidth over a token's bytes of the model file"
               + ("; above it, part of the file stays in the CPU's caches" if above else ""))
 
 

@@ -27,8 +27,9 @@ from nanovllm.entrypoints.bench_llama_cpp import import_llama_cpp
 @dataclass(frozen=True)
 class TwinShape:
     # GGUF's general.architecture: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q/k/v biases),
-    # qwen3 (Qwen3ForCausalLM: q/k norms) or gemma3 (Gemma3ForCausalLM: q/k norms, norms after the
-    # attention and the MLP too, tanh-GELU, local layers with a sliding window)
+    # qwen3 (Qwen3ForCausalLM: q/k norms), gemma3 (Gemma3ForCausalLM: q/k norms, norms after the
+    # attention and the MLP too, tanh-GELU, local layers with a sliding window) or qwen3moe
+    # (Qwen3MoeForCausalLM: Qwen3's attention, every MLP a mixture of experts)
     architecture: str
     hidden_size: int
     intermediate_size: int
@@ -42,6 +43,13 @@ class TwinShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     sliding_window: int | None = None  # of the local layers (gemma3)
+    num_experts: int = 0  # qwen3moe: experts a layer, experts a token, an expert's intermediate size
+    experts_used: int = 0
+    expert_intermediate_size: int = 0
+
+    def active_share(self) -> float:
+        """The share of the experts' weights a token reads (1 for a dense model)."""
+        return self.experts_used / self.num_experts if self.num_experts else 1.0
 
 
 # The models' own config.json values, in TwinShape's order: architecture, hidden, intermediate,
@@ -56,6 +64,14 @@ SHAPES = {
     "gemma-3-1b": TwinShape("gemma3", 1152, 6912, 26, 4, 1, 256, 262144, 1000000.0, 1e-6, 32768, True, 512),
     # Gemma 3 1B's sizes as a plain Llama: what the Gemma family's own ops cost, side by side.
     "gemma-3-1b-as-llama": TwinShape("llama", 1152, 6912, 26, 4, 1, 256, 262144, 1000000.0, 1e-6, 32768, True),
+    # A Qwen3-MoE (Qwen3-30B-A3B's design: 128 experts, top-8, 768 wide) sized to these machines:
+    # 64 experts of 256 a layer, top-8; 1.7B parameters, 0.3B read a token besides the embedding.
+    "qwen3-moe-1.7b-a0.3b": TwinShape("qwen3moe", 1024, 2048, 28, 16, 4, 128, 151936, 1000000.0, 1e-6, 40960,
+                                      True, None, 64, 8, 256),
+    # The same with one dense MLP as wide as a token's experts together: the dense model of the same
+    # active parameters, which a token of the mixture should decode about as fast as.
+    "qwen3-moe-1.7b-a0.3b-as-dense": TwinShape("qwen3", 1024, 2048, 28, 16, 4, 128, 151936, 1000000.0, 1e-6,
+                                               40960, True),
 }
 # F16 is the written twin itself; the others are llama.cpp's file types of those names.
 TYPES = ("F16", "Q4_K_M", "Q4_0", "Q4_1", "Q8_0", "Q5_K_M", "Q6_K", "Q5_0", "IQ4_NL", "IQ4_XS")
@@ -133,15 +149,22 @@ def tensor_shapes(shape: TwinShape) -> dict[str, tuple[int, ...]]:
     tensors = {"token_embd.weight": (shape.vocab_size, hidden), "output_norm.weight": (hidden,)}
     if not shape.tie_word_embeddings:
         tensors["output.weight"] = (shape.vocab_size, hidden)
+    experts, expert_rows = shape.num_experts, shape.expert_intermediate_size
     for i in range(shape.num_hidden_layers):
         layer = {"attn_norm.weight": (hidden,), "attn_q.weight": (q_rows, hidden), "attn_k.weight": (kv_rows, hidden),
                  "attn_v.weight": (kv_rows, hidden), "attn_output.weight": (hidden, q_rows),
-                 "ffn_norm.weight": (hidden,), "ffn_gate.weight": (shape.intermediate_size, hidden),
-                 "ffn_up.weight": (shape.intermediate_size, hidden),
-                 "ffn_down.weight": (hidden, shape.intermediate_size)}
+                 "ffn_norm.weight": (hidden,)}
+        if experts:  # the router, then each projection's experts in one tensor, as llama.cpp stores them
+            layer.update({"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_exps.weight": (experts, expert_rows, hidden),
+                          "ffn_up_exps.weight": (experts, expert_rows, hidden),
+                          "ffn_down_exps.weight": (experts, hidden, expert_rows)})
+        else:
+            layer.update({"ffn_gate.weight": (shape.intermediate_size, hidden),
+                          "ffn_up.weight": (shape.intermediate_size, hidden),
+                          "ffn_down.weight": (hidden, shape.intermediate_size)})
         if shape.architecture == "qwen2":
             layer.update({"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)})
-        if shape.architecture in ("qwen3", "gemma3"):
+        if shape.architecture in ("qwen3", "qwen3moe", "gemma3"):
             layer.update({"attn_q_norm.weight": (shape.head_dim,), "attn_k_norm.weight": (shape.head_dim,)})
         if shape.architecture == "gemma3":
             layer.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
@@ -149,9 +172,9 @@ def tensor_shapes(shape: TwinShape) -> dict[str, tuple[int, ...]]:
     return tensors
 
 
-def _file_dtype(dims: tuple[int, ...]) -> np.dtype:
-    # Norms and biases stay F32, as llama.cpp's converter keeps one-dimensional tensors.
-    return np.dtype(np.float32 if len(dims) == 1 else np.float16)
+def _file_dtype(name: str, dims: tuple[int, ...]) -> np.dtype:
+    # Norms, biases and routers stay F32, as llama.cpp's converter keeps them (and its quantizer).
+    return np.dtype(np.float32 if len(dims) == 1 or "ffn_gate_inp" in name else np.float16)
 
 
 def random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -159,7 +182,7 @@ def random_tensor(name: str, dims: tuple[int, ...], rng: np.random.Generator) ->
     converter would store them)."""
     if "norm" in name:
         return np.ones(dims, dtype=np.float32)
-    return (rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD).astype(_file_dtype(dims))
+    return (rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD).astype(_file_dtype(name, dims))
 
 
 def write_f16_twin(shape: TwinShape, path: str) -> None:
@@ -168,7 +191,8 @@ def write_f16_twin(shape: TwinShape, path: str) -> None:
     writer = twin_writer(shape, path)
     tensors = tensor_shapes(shape)
     for name, dims in tensors.items():
-        writer.add_tensor_info(name, dims, _file_dtype(dims), math.prod(dims) * _file_dtype(dims).itemsize)
+        dtype = _file_dtype(name, dims)
+        writer.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -205,6 +229,10 @@ def _add_model_metadata(writer, shape: TwinShape) -> None:
         writer.add_value_length(shape.head_dim)
     if shape.sliding_window is not None:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.num_experts:
+        writer.add_expert_count(shape.num_experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
 
 
 def add_tokenizer(writer, vocab_size: int) -> None:

@@ -5,7 +5,8 @@ to know), each linear on a method that says how the kernel calls it (`fused_kern
 GGUF block method and the packed bf16 one), one tensor-parallel rank, and, step by step, the CPU
 attention backend. The call reads each layer's family description (models/decoder.py's
 DecoderDescription: norms, activation, window, softcap), so every family built as a
-DecoderLayer takes it; what it lacks, `unfusable_reason` names.
+DecoderLayer takes it, its MLP dense or a mixture of experts whose experts the CPU's MoE kernel
+runs (a router, then the experts in blocks); what it lacks, `unfusable_reason` names.
 
 The call runs, layer after layer, the kernels the eager layer would call, in its order and with
 its roundings, so its output is the eager layers' bit for bit; what it saves is the glue between
@@ -24,10 +25,14 @@ from torch import nn
 from nanovllm.attention.base import get_forward_context
 from nanovllm.attention.cpu import CPUBackend
 from nanovllm.layers.decoder_layers import run_in_turn
-from nanovllm.models.decoder import DecoderLayer, DecoderMLP
+from nanovllm.models.decoder import DecoderLayer, DecoderMLP, SparseMoeBlock
 
 # The gated activations the call runs (decoder_layer.cpp's Activation), by HF's names.
 ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+# A dense MLP's router slots: never read.
+NO_ROUTER = (-1, [None, None, None], 0, 0, None)
 
 
 def unfusable_reason(layers: list[nn.Module]) -> str | None:
@@ -59,8 +64,12 @@ def _layer_reason(layer: nn.Module) -> str | None:
     if not isinstance(layer, DecoderLayer):
         return f"{type(layer).__name__} is not a DecoderLayer (models/decoder.py), the only kind the kernel runs"
     attn = layer.self_attn
-    if not isinstance(layer.feed_forward, DecoderMLP):
-        return "its MLP is a mixture of experts (the call runs dense MLPs)"
+    mlp = layer.feed_forward
+    if isinstance(mlp, SparseMoeBlock):
+        if mlp.shared_expert is not None:
+            return "its mixture of experts has a shared expert (the call runs routed experts only)"
+        if not hasattr(mlp.experts.moe_method, "fused_kernel_args"):
+            return f"its experts' method ({type(mlp.experts.moe_method).__name__}) has no fused kernel"
     if layer.description.activation not in ACTIVATION_KINDS:
         return f"its activation {layer.description.activation!r} has no kernel (only {', '.join(ACTIVATION_KINDS)})"
     norms = _norms(layer)
@@ -68,36 +77,50 @@ def _layer_reason(layer: nn.Module) -> str | None:
         return "a norm's weight is not bfloat16"
     if any(norm.eps != norms[0].eps for norm in norms):
         return "its norms differ in eps"
-    for name, linear in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
-                         ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+    for name, linear in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), *_mlp_linears(mlp)):
         if not hasattr(linear.linear_method, "fused_kernel_args"):
             return f"{name}'s linear method ({type(linear.linear_method).__name__}) has no fused kernel"
-        if linear.tp_group.world_size != 1:
-            return "it runs tensor-parallel"
+    if attn.qkv_proj.tp_group.world_size != 1:
+        return "it runs tensor-parallel"
     if attn.rotary_emb.cos_sin_cache.dtype != torch.float32:
         return "its RoPE cache is not float32"
     return None
 
 
+def _mlp_linears(mlp: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The linear layers of an MLP the call multiplies through their linear methods."""
+    if isinstance(mlp, SparseMoeBlock):
+        return [("gate", mlp.gate)]
+    return [("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)]
+
+
 def kernel_args(layer: DecoderLayer) -> tuple[list, list[int]]:
     """A layer's share of the call's weights and settings, in the layout decoder_layer.cpp names."""
-    attn, description = layer.self_attn, layer.description
+    attn, description, mlp = layer.self_attn, layer.description, layer.feed_forward
     sandwich = description.sandwich_norms
-    linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                layer.pre_feedforward_layernorm.weight if sandwich else None,
                layer.post_feedforward_layernorm.weight if sandwich else None, attn.rotary_emb.cos_sin_cache,
                attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None]
-    kinds, max_rows, bits = [], [], []
-    for linear in linears:
-        kind, tensors, rows, activation_bits = linear.linear_method.fused_kernel_args(linear)
-        weights += [*tensors, linear.bias]
-        kinds.append(kind)
-        max_rows.append(rows)
-        bits.append(activation_bits)
+    # Each linear's (kind, weight tensors, row threshold, activation bits), in the call's order
+    # (qkv, o, gate_up, down, router): a mixture of experts' gate_up and down are its experts'.
+    linears = [linear.linear_method.fused_kernel_args(linear) + (linear.bias,) for linear in (attn.qkv_proj, attn.o_proj)]
+    moe = (0, 0, 0, 0)  # experts, experts a token, renormalised, an expert's intermediate size
+    if isinstance(mlp, SparseMoeBlock):
+        experts = mlp.experts
+        linears += [(*args, None) for args in experts.moe_method.fused_kernel_args(experts)]
+        linears.append(mlp.gate.linear_method.fused_kernel_args(mlp.gate) + (mlp.gate.bias,))
+        moe = (experts.num_experts, experts.top_k, int(experts.renormalize), experts.intermediate_per_rank)
+    else:
+        linears += [linear.linear_method.fused_kernel_args(linear) + (linear.bias,)
+                    for linear in (mlp.gate_up_proj, mlp.down_proj)]
+        linears.append(NO_ROUTER)
+    for _, tensors, _, _, bias in linears:
+        weights += [*tensors, bias]
     settings = [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window,
-                int(sandwich), ACTIVATION_KINDS[description.activation]]
-    return weights, [*settings, *kinds, *max_rows, *bits]
+                int(sandwich), ACTIVATION_KINDS[description.activation], *moe]
+    return weights, [*settings, *(kind for kind, *_ in linears), *(rows for _, _, rows, _, _ in linears),
+                     *(bits for *_, bits, _ in linears)]
 
 
 class FusedDecoderLayers:

@@ -1,10 +1,13 @@
 """The CUDA platform: a decoder layer's elementwise ops (RMSNorm with its residual add, the gated
 SiLU, rotary embedding) built on single Triton kernels (their `forward_cuda`, which calls
-kernels/triton_elementwise.py) where Triton is installed; flash-attn where it takes the shapes,
-else the Triton attention kernels; the KV cache sized by a measured warm-up step (gpu_memory.py);
-decode steps replayed from CUDA graphs (cuda_graph.py) unless enforce_eager."""
+kernels/triton_elementwise.py) where Triton is installed; a mixture of experts' experts on the
+grouped Triton kernels (kernels/triton_moe.py); flash-attn where it takes the shapes, else the
+Triton attention kernels; the KV cache sized by a measured warm-up step (gpu_memory.py); decode
+steps replayed from CUDA graphs (cuda_graph.py) unless enforce_eager, or unless a layer's launches
+depend on its routing (experts without Triton)."""
 
 import importlib.util
+import logging
 from collections.abc import Callable
 
 import torch
@@ -12,7 +15,10 @@ from torch import nn
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.custom_op import CustomOp
+from nanovllm.layers.quantization.moe_methods import MoEMethod, UnquantizedMoEMethod
 from nanovllm.platforms import Platform
+
+logger = logging.getLogger(__name__)
 
 
 class CUDAPlatform(Platform):
@@ -37,12 +43,21 @@ class CUDAPlatform(Platform):
             return "flash_attn"
         return "triton" if self.has_triton else "torch_native"
 
+    def dense_moe_method(self) -> MoEMethod:
+        if not self.has_triton:
+            return UnquantizedMoEMethod()
+        from nanovllm.layers.quantization.triton_moe import TritonMoEMethod
+        return TritonMoEMethod()
+
     def kv_cache_budget_bytes(self, model: nn.Module, attn_layers: list, backend, config) -> int:
         from nanovllm.platforms.gpu_memory import profile_kv_cache_bytes
         return profile_kv_cache_bytes(model, attn_layers, backend, config, self.device)
 
     def graph_runner(self, model: nn.Module, backend, config):
         if self.enforce_eager or not backend.supports_cuda_graphs:
+            return None
+        if any(not m.moe_method.graph_capturable for m in model.modules() if hasattr(m, "moe_method")):
+            logger.info("decode steps run eager: the experts' launches depend on their routing (install triton)")
             return None
         from nanovllm.platforms.cuda_graph import CUDAGraphRunner
         graphs = CUDAGraphRunner(model, backend, config.max_num_seqs, config.max_model_len, config.kvcache_block_size,

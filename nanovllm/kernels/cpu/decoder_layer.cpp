@@ -1,8 +1,10 @@
 // decoder_layers: a run of pre-norm decoder layers (models/decoder.py's, as their description
 // shapes them: q/k/v biases, per-head q/k norm, a sliding window per layer, an attention softcap,
-// norms on the attention's and MLP's outputs too, a SiLU or tanh-GELU gate) in bf16, as one call:
+// norms on the attention's and MLP's outputs too, a SiLU or tanh-GELU gate, a dense MLP or a
+// mixture of experts: a router and routed experts in GGUF blocks) in bf16, as one call:
 // for each layer in turn the kernels the eager layer calls one by one (norms, linears, the KV
-// store, paged attention, the gated activation), in the same order on the same tensors, with
+// store, paged attention, the gated activation or the router's ATen ops and the experts' kernel),
+// in the same order on the same tensors, with
 // RoPE here rounding as the eager torch ops do, so the output is eager's bit for bit. A decode step then crosses from Python into C++ once for the
 // whole model instead of a dozen times a layer, and none of the layers' glue (splits, views,
 // RoPE) runs as Python or Inductor wrapper code.
@@ -11,8 +13,12 @@
 #include "simd.h"
 #include "thread_pool.h"
 
+#include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/topk.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -27,16 +33,18 @@ using Weights = c10::List<std::optional<at::Tensor>>;
 // The layout of each layer's share of decoder_layers' arguments (platforms/cpu_fused_layers.py
 // builds them; the layers' shares follow one another). weights: input norm, post-attention
 // norm, pre-feedforward and post-feedforward norms (None without sandwich norms), RoPE's cos|sin
-// cache, q norm, k norm (None without q/k norm), then per linear (qkv, o, gate_up, down) its
-// weight, packed copy, oneDNN copy and bias. settings: heads, KV heads, head dim, sliding window
-// (0: none), sandwich norms (0/1), activation (kSilu, kGeluTanh), then each linear's kind (a
-// GGUF block weight's type id; kGGUFParts for one in parts of differing types, whose parts table
-// takes the packed copy's place; kPackedBF16 for the packed bf16 method), then each one's row
-// threshold, then each one's activation bits (a GGUF weight's x in 8 or 16 bits; unused by the
-// packed bf16 method).
-enum Linear { kQKV, kOut, kGateUp, kDown, kLinears };
+// cache, q norm, k norm (None without q/k norm), then per linear (qkv, o, gate_up, down, router)
+// its weight, packed copy, oneDNN copy and bias. settings: heads, KV heads, head dim, sliding
+// window (0: none), sandwich norms (0/1), activation (kSilu, kGeluTanh), the MLP's experts (0: a
+// dense MLP), experts a token, whether their weights are renormalised (0/1) and an expert's
+// intermediate size, then each linear's kind (a GGUF block weight's type id; kGGUFParts for one in
+// parts of differing types, whose parts table takes the packed copy's place; kPackedBF16 for the
+// packed bf16 method), then each one's row threshold, then each one's activation bits (a GGUF
+// weight's x in 8 or 16 bits; unused by the packed bf16 method). In a mixture of experts, gate_up
+// and down are every expert's (moe.cpp's w13 and w2, GGUF blocks); a dense layer has no router.
+enum Linear { kQKV, kOut, kGateUp, kDown, kRouter, kLinears };
 enum Activation { kSilu, kGeluTanh };
-constexpr int64_t kLinearWeights = 7, kWeightsPerLinear = 4, kLinearSettings = 6;
+constexpr int64_t kLinearWeights = 7, kWeightsPerLinear = 4, kLinearSettings = 10;
 constexpr int64_t kPackedBF16 = -1, kGGUFParts = -2;
 constexpr int64_t kWeights = kLinearWeights + kWeightsPerLinear * kLinears, kSettings = kLinearSettings + 3 * kLinears;
 
@@ -101,6 +109,26 @@ at::Tensor rotated(const at::Tensor& heads, const at::Tensor& cos_sin, const at:
   return out;
 }
 
+// A dense MLP: down(act(gate) * up).
+at::Tensor mlp(const at::Tensor& x, const LayerWeights& weights, at::IntArrayRef settings) {
+  const at::Tensor gate_up = apply_linear(kGateUp, x, weights, settings);
+  const at::Tensor gated = settings[5] == kSilu ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+  return apply_linear(kDown, gated, weights, settings);
+}
+
+// A mixture of experts: the router's logits, then layers/fused_moe.py's `route` in the same ATen
+// ops (softmax in fp32, top-k, renormalised where the family does), then the experts' kernel.
+at::Tensor experts(const at::Tensor& x, const LayerWeights& weights, at::IntArrayRef settings) {
+  const at::Tensor logits = apply_linear(kRouter, x, weights, settings);
+  auto [top, ids] = at::topk(at::softmax(logits, -1, at::kFloat), settings[7], -1);
+  if (settings[8] != 0) top = at::div(top, at::sum(top, {-1}, true));
+  const auto kind = [&](Linear which) { return settings[kLinearSettings + which]; };
+  const auto bits = [&](Linear which) { return settings[kLinearSettings + 2 * kLinears + which]; };
+  return gguf_moe(x, ids, top, weights.weight(kLinearWeights + kWeightsPerLinear * kGateUp).value(), kind(kGateUp),
+                  weights.weight(kLinearWeights + kWeightsPerLinear * kDown).value(), kind(kDown), settings[9],
+                  settings[5], settings[kLinearSettings + kLinears + kGateUp], bits(kGateUp), bits(kDown));
+}
+
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions, const LayerWeights& weights,
     at::IntArrayRef settings, double eps, double scale, double softcap, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -135,9 +163,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor projected = apply_linear(kOut, attended.view({T, H * D}), weights, settings);
   if (sandwich) projected = rms_norm(projected, weights.weight(1).value(), eps);
   auto [mlp_in, stream] = add_rms_norm(projected, summed, weights.weight(sandwich ? 2 : 1).value(), eps);
-  const at::Tensor gate_up = apply_linear(kGateUp, mlp_in, weights, settings);
-  const at::Tensor gated = activation == kSilu ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
-  const at::Tensor down = apply_linear(kDown, gated, weights, settings);
+  const at::Tensor down = settings[6] > 0 ? experts(mlp_in, weights, settings) : mlp(mlp_in, weights, settings);
   return {sandwich ? rms_norm(down, weights.weight(3).value(), eps) : down, stream};
 }
 

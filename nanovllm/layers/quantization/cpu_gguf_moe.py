@@ -57,6 +57,12 @@ class CPUGGUFMoEMethod(MoEMethod):
         layer.w2_weight.data, self.w2_kernel_type = kernel_blocks(layer.w2_weight.data, self.w2_type,
                                                                   self.intermediate_size)
 
+    def fused_kernel_args(self, layer: nn.Module) -> list[tuple[int, list, int, int]]:
+        """The experts as a fused layer's kernel takes them (kernels/cpu/decoder_layer.cpp): its
+        gate_up and down linears' (kind, weight tensors, streaming rows, activation bits)."""
+        return [(self.w13_kernel_type, [layer.w13_weight, None, None], MAX_STREAMING_ROWS, activation_bits([self.w13_type])),
+                (self.w2_kernel_type, [layer.w2_weight, None, None], MAX_STREAMING_ROWS, activation_bits([self.w2_type]))]
+
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
               ) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_moe(

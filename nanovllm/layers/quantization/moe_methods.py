@@ -32,6 +32,8 @@ class MoEMethod(ABC):
 
     # Whether a step streams the loaded weights from memory (the platform lays them out for it).
     streams_weight: bool = False
+    # Whether a step's launches are fixed whatever the routing, so that a CUDA graph can replay them.
+    graph_capturable: bool = False
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
