@@ -147,3 +147,28 @@ def test_bad_arguments_are_named():
         run_kernel(x, weights, torch.tensor([[0, 9], [1, 2]]), w13, "Q8_0", w2, "Q8_0", 96)
     with pytest.raises(RuntimeError, match="topk_weights must be fp32"):
         run_kernel(x, weights.double(), ids, w13, "Q8_0", w2, "Q8_0", 96)
+
+
+@pytest.mark.parametrize("tokens,k,spread", [(1, 8, True), (30, 2, True), (40, 4, False)])
+def test_packed_bf16_experts_are_the_per_expert_loop(tokens, k, spread):
+    """Dense bf16 experts (`packed_moe`): each selected expert's rows through the packed linear
+    kernel, the gated SiLU between, each token's slots summed in fp32 in order."""
+    hidden, intermediate = 96, 48
+    generator = torch.Generator().manual_seed(tokens)
+    w13 = (torch.randn(EXPERTS, 2 * intermediate, hidden, generator=generator) / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(EXPERTS, hidden, intermediate, generator=generator) / intermediate ** 0.5).bfloat16()
+    x = torch.randn(tokens, hidden, generator=generator).bfloat16()
+    weights, ids = routing(tokens, k, spread, seed=tokens)
+    packed13 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w13])
+    packed2 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w2])
+    got = torch.ops.nanovllm_cpu.packed_moe(x, ids, weights, packed13, packed2, intermediate, 0)
+    down = torch.zeros(tokens, k, hidden)
+    for expert in ids.unique().tolist():
+        rows, slots = torch.nonzero(ids == expert, as_tuple=True)
+        gate_up = cpu_kernels.linear_packed(x[rows], packed13[expert], None, 2 * intermediate)
+        down[rows, slots] = cpu_kernels.linear_packed(torch.ops.nanovllm_cpu.silu_and_mul(gate_up), packed2[expert],
+                                                      None, hidden).float()
+    expected = sum(weights[:, slot, None] * down[:, slot] for slot in range(k))
+    assert_same_sums(got, expected.bfloat16())
+    near = dense_moe(x.float(), w13.float(), w2.float(), weights, ids, "silu")
+    assert (got.float() - near).norm() / near.norm() < 0.02  # bf16 roundings apart

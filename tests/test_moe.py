@@ -87,3 +87,23 @@ def test_deepseek_names_its_router():
     config.architectures = ["DeepseekV3ForCausalLM"]
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM: its mixture-of-experts router .*grouped top-k"):
         get_model_class(config)
+
+
+def test_the_kv_budget_sets_aside_a_steps_routing_buffers(tmp_path, monkeypatch):
+    """On CPU the cache takes a share of the free RAM left once the largest layer's step buffers
+    are set aside: a mixture of experts' grouped rows, gate/up, activation and fp32 down rows."""
+    import os
+
+    from nanovllm.distributed.parallel_state import SINGLE
+    from nanovllm.platforms import KV_CACHE_RAM_SHARE, Platform
+
+    arch, overrides = family_config("qwen3-moe", None)
+    config = make_tiny_config(arch, **overrides)
+    model = get_model_class(config)(config, SINGLE)
+    experts = model.model.layers[0].mlp.experts
+    # hidden 64 (fp32 rows and fp32 down rows), 3 x intermediate 32, indices; 2 experts a token.
+    assert experts.step_buffer_bytes(1000) == 1000 * 2 * (64 * 8 + 3 * 32 * 4 + 32)
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 1 << 20, "SC_PAGE_SIZE": 4096}[name])
+    settings = type("Config", (), {"max_num_batched_tokens": 1000})()
+    budget = Platform(torch.device("cpu"), torch.float32, True, SINGLE).kv_cache_budget_bytes(model, [], None, settings)
+    assert budget == int(((1 << 32) - experts.step_buffer_bytes(1000)) * KV_CACHE_RAM_SHARE)

@@ -22,7 +22,7 @@ Ops (namespace `nanovllm_cpu`, each with a fake implementation so `torch.compile
 through them): `linear` (the packed kernel for a few rows, oneDNN otherwise), `linear_packed`,
 `onednn_pack` / `onednn_release` (oneDNN's own copy of a weight, named by a handle),
 `gguf_linear` / `gguf_linear_parts` / `gguf_dequantize` / `gguf_repack` (weights in GGUF's block formats),
-`gguf_moe` (a mixture of experts' experts in blocks),
+`gguf_moe` / `packed_moe` (a mixture of experts' experts in blocks / packed bf16),
 `store_kv`, `paged_attention`, `sample_rows`, `mask_disallowed`, the elementwise
 `silu_and_mul`, `gelu_tanh_and_mul`, `rms_norm`, `add_rms_norm`, `decoder_layers` (a run of decoder layers as one call
 over the others), `isa` and `amx_tiles_granted`; see cpu/registration.cpp.
@@ -187,6 +187,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanovllm_cpu::gguf_moe")
     def _(x, topk_ids, topk_weights, w13, w13_type, w2, w2_type, intermediate, activation, max_streaming_rows,
           w13_bits, w2_bits):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("nanovllm_cpu::packed_moe")
+    def _(x, topk_ids, topk_weights, w13, w2, intermediate, activation):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("nanovllm_cpu::gguf_dequantize")

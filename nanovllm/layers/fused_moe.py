@@ -47,6 +47,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts {num_experts}")
         self.num_experts, self.top_k, self.renormalize, self.activation = num_experts, top_k, renormalize, activation
         self.tp_group = tp_group
+        self.hidden_size = hidden_size
+        self.activation_bytes = torch.get_default_dtype().itemsize  # the model's dtype, as it is built
         self.intermediate_per_rank = divide(intermediate_size, tp_group.world_size, "the experts' intermediate size")
         self.moe_method: MoEMethod = (UnquantizedMoEMethod() if linear_methods is None else
                                       linear_methods.moe_method_for(self, prefix, hidden_size,
@@ -68,6 +70,14 @@ class FusedMoE(nn.Module):
         loaded = self.moe_method.checkpoint_rows(loaded_weight, projection)
         # gate and up are split by rows (column-parallel), down by its input columns (row-parallel).
         copy_chunk(target, loaded, 1 if projection == "down" else 0, self.tp_group.rank, self.tp_group.world_size)
+
+    def step_buffer_bytes(self, tokens: int) -> int:
+        """The routing buffers of a step of `tokens` tokens, at their largest (the CPU kernel's and
+        the Triton kernels' alike): each (token, expert) pair's row of x, its gate/up and activation
+        in the model dtype, its down projection in fp32, and the step's indices."""
+        width = self.activation_bytes
+        row = self.hidden_size * (width + 4) + 3 * self.intermediate_per_rank * width + 4 * 8
+        return tokens * self.top_k * row
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], router_logits [tokens, experts] -> this rank's partial sum [tokens, hidden]

@@ -29,6 +29,12 @@ from nanovllm.layers.sampling_ops import SamplingOps
 KV_CACHE_RAM_SHARE = 0.2
 
 
+def step_buffer_bytes(model: nn.Module, tokens: int) -> int:
+    """The most bytes one layer of `model` holds in buffers of its own during a step of `tokens`
+    tokens (layers run one after another, so the largest counts)."""
+    return max((m.step_buffer_bytes(tokens) for m in model.modules() if hasattr(m, "step_buffer_bytes")), default=0)
+
+
 class Platform:
     """The defaults: nothing to prepare, an ordinary cache tensor, eager steps."""
 
@@ -60,8 +66,11 @@ class Platform:
         return "torch_native"
 
     def kv_cache_budget_bytes(self, model: nn.Module, attn_layers: list, backend, config) -> int:
-        """Bytes the KV cache may take when the user gave no size: here a share of the RAM free now."""
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_CACHE_RAM_SHARE)
+        """Bytes the KV cache may take when the user gave no size: here a share of the RAM free now,
+        once the largest buffers a layer holds during a full step are set aside (a mixture of experts'
+        routing buffers: `step_buffer_bytes`)."""
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(max(0, free - step_buffer_bytes(model, config.max_num_batched_tokens)) * KV_CACHE_RAM_SHARE)
 
     def graph_runner(self, model: nn.Module, backend, config):
         """What replays captured decode steps (platforms/cuda_graph.py), or None: steps run eagerly."""

@@ -129,6 +129,12 @@ class CPUPlatform(Platform):
             return CPUGGUFLinearMethod(qtypes.pop(), self.dtype)
         return CPUGGUFPartsLinearMethod(shard_types, self.dtype)
 
+    def dense_moe_method(self) -> MoEMethod:
+        if not self._on_kernels():
+            return super().dense_moe_method()
+        from nanovllm.layers.quantization.cpu_packed_bf16_moe import CPUPackedBF16MoEMethod
+        return CPUPackedBF16MoEMethod()
+
     def block_moe_method(self, gate_up_type: str, down_type: str) -> MoEMethod | None:
         from nanovllm.layers.quantization.cpu_gguf_moe import CPUGGUFMoEMethod
         return CPUGGUFMoEMethod(gate_up_type, down_type) if cpu_kernels.available() else None

@@ -6,7 +6,7 @@ GGUF block method and the packed bf16 one), one tensor-parallel rank, and, step 
 attention backend. The call reads each layer's family description (models/decoder.py's
 DecoderDescription: norms, activation, window, softcap), so every family built as a
 DecoderLayer takes it, its MLP dense or a mixture of experts whose experts the CPU's MoE kernel
-runs (a router, then the experts in blocks); what it lacks, `unfusable_reason` names.
+runs (a router, then the experts in blocks or packed bf16); what it lacks, `unfusable_reason` names.
 
 The call runs, layer after layer, the kernels the eager layer would call, in its order and with
 its roundings, so its output is the eager layers' bit for bit; what it saves is the glue between

@@ -1,7 +1,7 @@
 // decoder_layers: a run of pre-norm decoder layers (models/decoder.py's, as their description
 // shapes them: q/k/v biases, per-head q/k norm, a sliding window per layer, an attention softcap,
 // norms on the attention's and MLP's outputs too, a SiLU or tanh-GELU gate, a dense MLP or a
-// mixture of experts: a router and routed experts in GGUF blocks) in bf16, as one call:
+// mixture of experts: a router and routed experts in GGUF blocks or packed bf16) in bf16, as one call:
 // for each layer in turn the kernels the eager layer calls one by one (norms, linears, the KV
 // store, paged attention, the gated activation or the router's ATen ops and the experts' kernel),
 // in the same order on the same tensors, with
@@ -41,7 +41,8 @@ using Weights = c10::List<std::optional<at::Tensor>>;
 // parts of differing types, whose parts table takes the packed copy's place; kPackedBF16 for the
 // packed bf16 method), then each one's row threshold, then each one's activation bits (a GGUF
 // weight's x in 8 or 16 bits; unused by the packed bf16 method). In a mixture of experts, gate_up
-// and down are every expert's (moe.cpp's w13 and w2, GGUF blocks); a dense layer has no router.
+// and down are every expert's (moe.cpp's w13 and w2: GGUF blocks, or packed bf16 where their kind
+// is kPackedBF16); a dense layer has no router.
 enum Linear { kQKV, kOut, kGateUp, kDown, kRouter, kLinears };
 enum Activation { kSilu, kGeluTanh };
 constexpr int64_t kLinearWeights = 7, kWeightsPerLinear = 4, kLinearSettings = 10;
@@ -124,9 +125,11 @@ at::Tensor experts(const at::Tensor& x, const LayerWeights& weights, at::IntArra
   if (settings[8] != 0) top = at::div(top, at::sum(top, {-1}, true));
   const auto kind = [&](Linear which) { return settings[kLinearSettings + which]; };
   const auto bits = [&](Linear which) { return settings[kLinearSettings + 2 * kLinears + which]; };
-  return gguf_moe(x, ids, top, weights.weight(kLinearWeights + kWeightsPerLinear * kGateUp).value(), kind(kGateUp),
-                  weights.weight(kLinearWeights + kWeightsPerLinear * kDown).value(), kind(kDown), settings[9],
-                  settings[5], settings[kLinearSettings + kLinears + kGateUp], bits(kGateUp), bits(kDown));
+  const at::Tensor w13 = weights.weight(kLinearWeights + kWeightsPerLinear * kGateUp).value(),
+                   w2 = weights.weight(kLinearWeights + kWeightsPerLinear * kDown).value();
+  if (kind(kGateUp) == kPackedBF16) return packed_moe(x, ids, top, w13, w2, settings[9], settings[5]);
+  return gguf_moe(x, ids, top, w13, kind(kGateUp), w2, kind(kDown), settings[9], settings[5],
+                  settings[kLinearSettings + kLinears + kGateUp], bits(kGateUp), bits(kDown));
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layer(

@@ -43,6 +43,9 @@ at::Tensor gguf_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::T
                     const at::Tensor& w13, int64_t w13_type, const at::Tensor& w2, int64_t w2_type,
                     int64_t intermediate, int64_t activation, int64_t max_streaming_rows, int64_t w13_bits,
                     int64_t w2_bits);
+// The same over dense bf16 experts packed for linear_packed: w13 [E, 2I/16, H/2, 16, 2], w2 [E, H/16, I/2, 16, 2].
+at::Tensor packed_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                      const at::Tensor& w13, const at::Tensor& w2, int64_t intermediate, int64_t activation);
 
 // attention.cpp
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,

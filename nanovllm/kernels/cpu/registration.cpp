@@ -23,6 +23,8 @@ TORCH_LIBRARY(nanovllm_cpu, m) {
         "int activation_bits=16) -> Tensor");
   m.def("gguf_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, int w13_type, Tensor w2, int w2_type, "
         "int intermediate, int activation, int max_streaming_rows, int w13_bits, int w2_bits) -> Tensor");
+  m.def("packed_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, int intermediate, "
+        "int activation) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("gguf_repack(Tensor blocks, int type, int in_features) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -57,6 +59,7 @@ TORCH_LIBRARY_IMPL(nanovllm_cpu, CPU, m) {
   m.impl("gguf_linear", &nanovllm_cpu::gguf_linear);
   m.impl("gguf_linear_parts", &nanovllm_cpu::gguf_linear_parts);
   m.impl("gguf_moe", &nanovllm_cpu::gguf_moe);
+  m.impl("packed_moe", &nanovllm_cpu::packed_moe);
   m.impl("gguf_dequantize", &nanovllm_cpu::gguf_dequantize);
   m.impl("gguf_repack", &nanovllm_cpu::gguf_repack);
   m.impl("store_kv", &nanovllm_cpu::store_kv);

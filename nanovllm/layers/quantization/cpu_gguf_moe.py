@@ -13,10 +13,15 @@ type would be, so an expert's output is what two such linear layers would give, 
 import torch
 from torch import nn
 
-from nanovllm.layers.quantization.cpu_gguf import MAX_STREAMING_ROWS, activation_bits, kernel_blocks
+from nanovllm.layers.quantization.cpu_gguf import activation_bits, kernel_blocks
 from nanovllm.layers.quantization.moe_methods import MoEMethod
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
+# Rows of an expert up to which its weight rows stream from their blocks (the row kernel, in passes
+# of eight rows), above which its rows run the tiled kernel: an expert's few hundred KB stay in
+# cache between passes, so streaming beats decoding them into tiles further than a dense layer's
+# threshold (cpu_gguf.MAX_STREAMING_ROWS; figures in benchmarks/RESULTS.md). Either gives the same bits.
+MOE_MAX_STREAMING_ROWS = 64
 # The kernel's activations (moe.cpp), by HF's names.
 ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
@@ -60,12 +65,14 @@ class CPUGGUFMoEMethod(MoEMethod):
     def fused_kernel_args(self, layer: nn.Module) -> list[tuple[int, list, int, int]]:
         """The experts as a fused layer's kernel takes them (kernels/cpu/decoder_layer.cpp): its
         gate_up and down linears' (kind, weight tensors, streaming rows, activation bits)."""
-        return [(self.w13_kernel_type, [layer.w13_weight, None, None], MAX_STREAMING_ROWS, activation_bits([self.w13_type])),
-                (self.w2_kernel_type, [layer.w2_weight, None, None], MAX_STREAMING_ROWS, activation_bits([self.w2_type]))]
+        return [(self.w13_kernel_type, [layer.w13_weight, None, None], MOE_MAX_STREAMING_ROWS,
+                 activation_bits([self.w13_type])),
+                (self.w2_kernel_type, [layer.w2_weight, None, None], MOE_MAX_STREAMING_ROWS,
+                 activation_bits([self.w2_type]))]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
               ) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_moe(
             x, topk_ids, topk_weights, layer.w13_weight, self.w13_kernel_type, layer.w2_weight, self.w2_kernel_type,
-            self.intermediate_size, ACTIVATION_KINDS[layer.activation], MAX_STREAMING_ROWS,
+            self.intermediate_size, ACTIVATION_KINDS[layer.activation], MOE_MAX_STREAMING_ROWS,
             activation_bits([self.w13_type]), activation_bits([self.w2_type]))
