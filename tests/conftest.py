@@ -162,12 +162,13 @@ _GEMMA_TO_GGUF = {**TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def convert_as_llama_cpp(hf_path, path, type_of=lambda name, array: None) -> str:
+def convert_as_llama_cpp(hf_path, path, type_of=lambda name, array: None, legacy_experts: bool = False) -> str:
     """An HF checkpoint written as llama.cpp's converter writes it: its architecture string,
     metadata and tensor names, llama's q/k rows permuted, Gemma's norms stored as 1 + w, Phi-3's
     LongRoPE factors as tensors, a layer's experts stacked in one tensor a projection, and a twin's
-    vocabulary. Each tensor in F32, or quantized by gguf-py to `type_of(gguf name, array)` where
-    that gives a type."""
+    vocabulary (`legacy_experts`: each expert's projections as 2-D tensors of their own, as older
+    Mixtral files have them). Each tensor in F32, or quantized by gguf-py to `type_of(gguf name,
+    array)` where that gives a type."""
     from nanovllm.entrypoints import bench_twins
     from nanovllm.loader.safetensors import iter_safetensors
 
@@ -224,6 +225,10 @@ def convert_as_llama_cpp(hf_path, path, type_of=lambda name, array: None) -> str
     stacked: dict[str, dict[int, np.ndarray]] = {}  # a layer's experts' tensors, gathered
     for name, tensor in iter_safetensors(hf_path):
         expert = re.fullmatch(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight", name)
+        if expert and legacy_experts:
+            layer, e, projection = expert.groups()
+            add(f"blk.{layer}.{_EXPERTS_TO_GGUF[projection].removesuffix('_exps')}.{e}.weight", tensor.float().numpy())
+            continue
         if expert:
             layer, e, projection = expert.groups()
             stacked.setdefault(f"blk.{layer}.{_EXPERTS_TO_GGUF[projection]}.weight", {})[int(e)] = tensor.float().numpy()

@@ -305,7 +305,7 @@ _CONVERTED = {
 }
 
 
-@pytest.mark.parametrize("family", _CONVERTED)
+@pytest.mark.parametrize("family", [*_CONVERTED, "mixtral-legacy-experts"])
 def test_a_checkpoint_converted_as_llama_cpp_does_gives_transformers_logits(tmp_path, family):
     """The same tiny model from its HF checkpoint (in transformers) and from the GGUF file
     llama.cpp's converter would write of it (in nano-vllm): the same logits, on a prompt past the
@@ -315,9 +315,10 @@ def test_a_checkpoint_converted_as_llama_cpp_does_gives_transformers_logits(tmp_
     from nanovllm.loader.weights import load_weights
     from nanovllm.models.registry import get_model_class
 
-    arch, overrides = _CONVERTED[family]
+    legacy = family == "mixtral-legacy-experts"  # each expert's tensors apart, as older Mixtral files
+    arch, overrides = _CONVERTED["mixtral" if legacy else family]
     hf_path = make_tiny_checkpoint(tmp_path / "hf", arch, **overrides)
-    path = convert_as_llama_cpp(hf_path, tmp_path / "m.gguf")
+    path = convert_as_llama_cpp(hf_path, tmp_path / "m.gguf", legacy_experts=legacy)
     config = load_gguf_config(path)
     hf_config = transformers.AutoConfig.from_pretrained(hf_path)
     fields = ["tie_word_embeddings", "num_key_value_heads", "intermediate_size"]
@@ -327,7 +328,7 @@ def test_a_checkpoint_converted_as_llama_cpp_does_gives_transformers_logits(tmp_
         fields += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
     if family == "qwen2-moe":
         fields += ["shared_expert_intermediate_size"]
-    if family == "mixtral":
+    if family.startswith("mixtral"):
         fields += ["num_local_experts", "num_experts_per_tok"]
     if family.startswith("gemma"):
         fields += ["sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",

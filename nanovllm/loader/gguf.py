@@ -85,6 +85,9 @@ _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
 # LongRoPE's factors, which the file stores as tensors: config, not weights.
 _ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+# Older Mixtral files store each expert's projections as 2-D tensors of their own.
+_LEGACY_EXPERT_NAME = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
+_LEGACY_EXPERT_PROJECTIONS = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (ggml multiplies by the weight as it
 # is); the reader gives back HF's w, which the model's norms offset again.
 _GEMMA_NORM_OFFSET = 1.0
@@ -278,6 +281,10 @@ def _hf_names(tensor: TensorInfo, meta: dict[str, Any], arch: str) -> list[str]:
         return [f"{_GLOBAL_NAMES[base]}.{kind}"]
     if match and layer is not None and base in layer_names:
         return [f"model.layers.{layer}.{layer_names[base]}.{kind}"]
+    legacy = _LEGACY_EXPERT_NAME.fullmatch(tensor.name)
+    if legacy and layer_names is _MIXTRAL_LAYER_NAMES:
+        layer, projection, expert = legacy.groups()
+        return [f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_LEGACY_EXPERT_PROJECTIONS[projection]}.weight"]
     if match and layer is not None and base in _EXPERT_TENSORS and kind == "weight" and len(tensor.shape) == 3:
         experts = "block_sparse_moe.experts" if layer_names is _MIXTRAL_LAYER_NAMES else "mlp.experts"
         projection = _EXPERT_NAMES[experts][_EXPERT_TENSORS[base]]
