@@ -54,14 +54,21 @@ def test_the_grouped_kernels_are_the_per_expert_loop(tokens, k, experts, hidden,
 def test_the_cuda_platform_runs_experts_on_the_grouped_kernels():
     """Its dense experts' method is the Triton one, whose launches CUDA graphs capture; the plain
     per-expert loop (what a GPU without Triton gets) is not capturable, and decode steps then run eager."""
+    from types import SimpleNamespace
+
+    from conftest import family_config, make_tiny_config
     from nanovllm.distributed.parallel_state import SINGLE
-    from nanovllm.layers.quantization.moe_methods import UnquantizedMoEMethod
     from nanovllm.layers.quantization.triton_moe import TritonMoEMethod
+    from nanovllm.models.registry import get_model_class
     from nanovllm.platforms.cuda import CUDAPlatform
 
-    method = CUDAPlatform(torch.device(DEVICE), torch.float32, False, SINGLE).dense_moe_method()
+    platform = CUDAPlatform(torch.device(DEVICE), torch.float32, False, SINGLE)
+    method = platform.dense_moe_method()
     assert type(method) is TritonMoEMethod and method.graph_capturable
-    assert not UnquantizedMoEMethod.graph_capturable
+    # Built without a chooser, the experts take the plain loop: the platform captures no graphs.
+    config = make_tiny_config("Qwen3MoeForCausalLM", **family_config("qwen3-moe", None)[1])
+    plain = get_model_class(config)(config, SINGLE)
+    assert platform.graph_runner(plain, SimpleNamespace(supports_cuda_graphs=True), None) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

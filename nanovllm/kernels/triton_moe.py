@@ -42,15 +42,21 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
 
 
 @triton.jit
+def _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block of sorted pairs: their positions in the sorted buffer, their pair ids,
+    and which are real (not padding)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    return rows, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, hidden, intermediate,
                     num_experts, top_k, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < num_experts:
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + rows)
-        valid = pairs < num_pairs
+        rows, pairs, valid = _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M)
         tokens = tl.where(valid, pairs // top_k, 0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < intermediate
@@ -84,12 +90,9 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, hidden,
                  intermediate, num_experts, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < num_experts:
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + rows)
-        valid = pairs < num_pairs
+        rows, pairs, valid = _block_pairs(sorted_pairs_ptr, num_pairs, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

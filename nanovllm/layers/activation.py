@@ -31,6 +31,9 @@ class GeluTanhAndMul(CustomOp):
 
 # By the names HF configs give them (`hidden_act`, Gemma's `hidden_activation`).
 GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+# The compiled kernels' id of each (decoder_layer.cpp's Activation, the `activation` argument of
+# moe.cpp's and triton_moe.py's experts).
+KERNEL_ACTIVATION_IDS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def gated_activation(name: str) -> CustomOp:

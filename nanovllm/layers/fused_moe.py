@@ -20,7 +20,8 @@ from torch import nn
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.linear import copy_chunk, divide
 from nanovllm.layers.quantization.chooser import LinearMethodChooser
-from nanovllm.layers.quantization.moe_methods import MOE_ACTIVATIONS, MoEMethod, UnquantizedMoEMethod
+from nanovllm.layers.activation import GATED_ACTIVATIONS
+from nanovllm.layers.quantization.moe_methods import MoEMethod, UnquantizedMoEMethod
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -40,9 +41,9 @@ class FusedMoE(nn.Module):
                  tp_group: TPGroup, renormalize: bool, activation: str = "silu", linear_methods: LinearMethodChooser | None = None,
                  prefix: str = ""):
         super().__init__()
-        if activation not in MOE_ACTIVATIONS:
+        if activation not in GATED_ACTIVATIONS:
             raise ValueError(f"experts' activation {activation!r} is not supported; supported: "
-                             f"{', '.join(MOE_ACTIVATIONS)}")
+                             f"{', '.join(GATED_ACTIVATIONS)}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts {num_experts}")
         self.num_experts, self.top_k, self.renormalize, self.activation = num_experts, top_k, renormalize, activation

@@ -24,11 +24,10 @@ from torch import nn
 
 from nanovllm.attention.base import get_forward_context
 from nanovllm.attention.cpu import CPUBackend
+from nanovllm.layers.activation import KERNEL_ACTIVATION_IDS
 from nanovllm.layers.decoder_layers import run_in_turn
-from nanovllm.models.decoder import DecoderLayer, DecoderMLP, SparseMoeBlock
+from nanovllm.models.decoder import DecoderLayer, SparseMoeBlock
 
-# The gated activations the call runs (decoder_layer.cpp's Activation), by HF's names.
-ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 # A dense MLP's router slots: never read.
@@ -70,8 +69,8 @@ def _layer_reason(layer: nn.Module) -> str | None:
             return "its mixture of experts has a shared expert (the call runs routed experts only)"
         if not hasattr(mlp.experts.moe_method, "fused_kernel_args"):
             return f"its experts' method ({type(mlp.experts.moe_method).__name__}) has no fused kernel"
-    if layer.description.activation not in ACTIVATION_KINDS:
-        return f"its activation {layer.description.activation!r} has no kernel (only {', '.join(ACTIVATION_KINDS)})"
+    if layer.description.activation not in KERNEL_ACTIVATION_IDS:
+        return f"its activation {layer.description.activation!r} has no kernel (only {', '.join(KERNEL_ACTIVATION_IDS)})"
     norms = _norms(layer)
     if any(norm.weight.dtype != torch.bfloat16 for norm in norms):
         return "a norm's weight is not bfloat16"
@@ -118,7 +117,7 @@ def kernel_args(layer: DecoderLayer) -> tuple[list, list[int]]:
     for _, tensors, _, _, bias in linears:
         weights += [*tensors, bias]
     settings = [attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window,
-                int(sandwich), ACTIVATION_KINDS[description.activation], *moe]
+                int(sandwich), KERNEL_ACTIVATION_IDS[description.activation], *moe]
     return weights, [*settings, *(kind for kind, *_ in linears), *(rows for _, _, rows, _, _ in linears),
                      *(bits for *_, bits, _ in linears)]
 

@@ -52,18 +52,20 @@ def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[t
             LANES_TYPE_BASE + BLOCK_TYPES[qtype])
 
 
+def blocks_of(loaded: QuantizedTensor, qtype: str, what: str = "") -> torch.Tensor:
+    """The blocks a checkpoint handed a weight loader, which must be `qtype`'s (`what`: for which
+    part, in the error)."""
+    if not isinstance(loaded, QuantizedTensor) or loaded.qtype != qtype:
+        got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
+        raise ValueError(f"expected {qtype} blocks{what}, got {got}")
+    return loaded.blocks
+
+
 class _BlocksMethod(LinearMethod):
-    """What both block methods share: the check of what a checkpoint hands the weight loader. A
-    layer's bias, when it has one, stays a dense parameter (create_bias)."""
+    """What both block methods share. A layer's bias, when it has one, stays a dense parameter
+    (create_bias)."""
 
     streams_weight = True  # a decode step reads every block
-
-    @staticmethod
-    def _blocks_of(loaded: QuantizedTensor, qtype: str, what: str = "") -> torch.Tensor:
-        if not isinstance(loaded, QuantizedTensor) or loaded.qtype != qtype:
-            got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
-            raise ValueError(f"expected {qtype} blocks{what}, got {got}")
-        return loaded.blocks
 
 
 class CPUGGUFLinearMethod(_BlocksMethod):
@@ -82,7 +84,7 @@ class CPUGGUFLinearMethod(_BlocksMethod):
 
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
-            layer.weight_loader(param, self._blocks_of(loaded, self.qtype), shard_id)
+            layer.weight_loader(param, blocks_of(loaded, self.qtype), shard_id)
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -139,7 +141,7 @@ class CPUGGUFPartsLinearMethod(_BlocksMethod):
     def _loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: QuantizedTensor, shard_id: object = None) -> None:
             qtype = self.shard_types.get(shard_id)
-            blocks = self._blocks_of(loaded, qtype, f" for shard {shard_id!r}")
+            blocks = blocks_of(loaded, qtype, f" for shard {shard_id!r}")
             # The layer cuts its rows as from a dense weight: give it this type's bytes of each row.
             layer.weight_loader(param.data[:, :row_bytes(qtype, self.in_features)], blocks, shard_id)
         return load

@@ -13,7 +13,8 @@ type would be, so an expert's output is what two such linear layers would give, 
 import torch
 from torch import nn
 
-from nanovllm.layers.quantization.cpu_gguf import activation_bits, kernel_blocks
+from nanovllm.layers.activation import KERNEL_ACTIVATION_IDS
+from nanovllm.layers.quantization.cpu_gguf import activation_bits, blocks_of, kernel_blocks
 from nanovllm.layers.quantization.moe_methods import MoEMethod
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 
@@ -22,8 +23,6 @@ from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, row_bytes
 # cache between passes, so streaming beats decoding them into tiles further than a dense layer's
 # threshold (cpu_gguf.MAX_STREAMING_ROWS; figures in benchmarks/RESULTS.md). Either gives the same bits.
 MOE_MAX_STREAMING_ROWS = 64
-# The kernel's activations (moe.cpp), by HF's names.
-ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 class CPUGGUFMoEMethod(MoEMethod):
@@ -50,11 +49,7 @@ class CPUGGUFMoEMethod(MoEMethod):
         return param.data[first:first + self.intermediate_size]
 
     def checkpoint_rows(self, loaded: QuantizedTensor, projection: str) -> torch.Tensor:
-        qtype = self.types[projection]
-        if not isinstance(loaded, QuantizedTensor) or loaded.qtype != qtype:
-            got = loaded.qtype if isinstance(loaded, QuantizedTensor) else f"a dense {loaded.dtype} tensor"
-            raise ValueError(f"expected {qtype} blocks for the experts' {projection} projection, got {got}")
-        return loaded.blocks
+        return blocks_of(loaded, self.types[projection], f" for the experts' {projection} projection")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.w13_weight.data, self.w13_kernel_type = kernel_blocks(layer.w13_weight.data, self.w13_type,
@@ -74,5 +69,5 @@ class CPUGGUFMoEMethod(MoEMethod):
               ) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.gguf_moe(
             x, topk_ids, topk_weights, layer.w13_weight, self.w13_kernel_type, layer.w2_weight, self.w2_kernel_type,
-            self.intermediate_size, ACTIVATION_KINDS[layer.activation], MOE_MAX_STREAMING_ROWS,
+            self.intermediate_size, KERNEL_ACTIVATION_IDS[layer.activation], MOE_MAX_STREAMING_ROWS,
             activation_bits([self.w13_type]), activation_bits([self.w2_type]))

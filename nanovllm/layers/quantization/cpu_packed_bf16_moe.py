@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import cpu as cpu_kernels
+from nanovllm.layers.activation import KERNEL_ACTIVATION_IDS
 from nanovllm.layers.quantization.moe_methods import UnquantizedMoEMethod
 
-# The kernel's activations (moe.cpp), by HF's names.
-ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 class CPUPackedBF16MoEMethod(UnquantizedMoEMethod):
@@ -33,4 +32,4 @@ class CPUPackedBF16MoEMethod(UnquantizedMoEMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
               ) -> torch.Tensor:
         return torch.ops.nanovllm_cpu.packed_moe(x, topk_ids, topk_weights, layer.w13_weight, layer.w2_weight,
-                                                 layer.intermediate_per_rank, ACTIVATION_KINDS[layer.activation])
+                                                 layer.intermediate_per_rank, KERNEL_ACTIVATION_IDS[layer.activation])

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The gated activations an expert's MLP may take, by HF's names.
-MOE_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+from nanovllm.layers.activation import GATED_ACTIVATIONS
+
 
 
 class MoEMethod(ABC):
@@ -84,7 +84,7 @@ def dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    act = MOE_ACTIVATIONS[activation]
+    act = GATED_ACTIVATIONS[activation]().forward_native  # [gate | up] -> act(gate) * up
     first = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -92,8 +92,7 @@ def dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         pairs = order[first:first + count]
         first += count
         tokens = pairs // k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w2[expert])
+        y = F.linear(act(F.linear(x[tokens], w13[expert])), w2[expert])
         out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[pairs, None])
     return out.to(x.dtype)
 

@@ -4,10 +4,9 @@ kernels (kernels/triton_moe.py), a fixed number of launches a layer that CUDA gr
 import torch
 from torch import nn
 
+from nanovllm.layers.activation import KERNEL_ACTIVATION_IDS
 from nanovllm.layers.quantization.moe_methods import UnquantizedMoEMethod
 
-# The kernels' activations, by HF's names.
-ACTIVATION_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 class TritonMoEMethod(UnquantizedMoEMethod):
@@ -17,4 +16,4 @@ class TritonMoEMethod(UnquantizedMoEMethod):
               ) -> torch.Tensor:
         from nanovllm.kernels.triton_moe import fused_moe  # imports triton
         return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                         ACTIVATION_KINDS[layer.activation])
+                         KERNEL_ACTIVATION_IDS[layer.activation])
