@@ -21,6 +21,9 @@ _EXPORTS = {
     "StructuredOutputsParams": "nanovllm.sampling_params",
     "RequestOutput": "nanovllm.outputs",
     "CompletionOutput": "nanovllm.outputs",
+    "PoolingParams": "nanovllm.pooling_params",
+    "PoolerConfig": "nanovllm.pooling_params",
+    "EmbeddingRequestOutput": "nanovllm.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PretrainedConfig
 
+from nanovllm.pooling_params import DEFAULT_POOLER_CONFIG, RUNNERS, PoolerConfig
 from nanovllm.startup import phase as startup_phase
 
 if TYPE_CHECKING:
@@ -53,11 +54,19 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
+    # vLLM's structured-outputs options: {"disable_additional_properties": bool}; True (the default
+    # here, as vLLM's default backend behaves) forbids a JSON schema's undeclared properties.
+    structured_outputs_config: dict | None = None
     # CPU threads of the kernels and of torch; None: $NANOVLLM_NUM_THREADS, else usable_cpus().
     num_threads: int | None = None
     # None: a GGUF file runs its own block formats where the platform multiplies them; "dense":
     # every weight dequantized at load; "q8_0"/"q4_0": a Hugging Face checkpoint quantized at load.
     quantization: str | None = None
+    # "generate", "pooling" (embeddings: LLM.embed, /v1/embeddings), or "auto": pooling for a base
+    # model without an LM head (Qwen3Model, ...) or a sentence-transformers directory.
+    runner: str = "auto"
+    # A pooling model's PoolerConfig (or a dict of its fields); resolved to a PoolerConfig then.
+    pooler_config: PoolerConfig | dict | None = None
     # Resolved in __post_init__.
     model_path: str = field(init=False)
     checkpoint: "Checkpoint" = field(init=False)  # the format, decided once
@@ -67,6 +76,7 @@ class EngineConfig:
     def __post_init__(self):
         with startup_phase("checkpoint header and config"):
             self._resolve_model()
+        self._resolve_runner()
         self._resolve_device_and_dtype()
         max_pos = getattr(self.hf_config, "max_position_embeddings", None)
         if self.max_model_len is None:
@@ -90,6 +100,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}; "
                              f"got {self.quantization!r}")
         self.checkpoint.check_quantization(self.quantization)
+        self._resolve_structured_outputs_config()
 
     def _resolve_model(self):
         from nanovllm.loader.checkpoint import open_checkpoint
@@ -97,6 +108,35 @@ class EngineConfig:
         self.checkpoint = open_checkpoint(self.model)
         self.model_path = self.checkpoint.path
         self.hf_config = self.checkpoint.config()
+
+    def _resolve_runner(self):
+        from nanovllm.loader.sentence_transformers import is_sentence_transformers, pooling_defaults
+        from nanovllm.models.registry import is_base_model
+
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(map(repr, RUNNERS))}, got {self.runner!r}")
+        given = PoolerConfig.of(self.pooler_config)
+        is_directory = os.path.isdir(self.model_path)
+        if self.runner == "auto":
+            pools = is_base_model(self.hf_config) or (is_directory and is_sentence_transformers(self.model_path))
+            self.runner = "pooling" if pools else "generate"
+        if self.runner == "generate":
+            if is_base_model(self.hf_config):
+                raise ValueError(f"{self.hf_config.architectures} is a base model without an LM head, so it "
+                                 "cannot generate; start it with runner='pooling' (embeddings)")
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config applies to a pooling model only; give runner='pooling' too")
+            return
+        defaults = pooling_defaults(self.model_path, given.pooling_type is not None) if is_directory else None
+        self.pooler_config = given.over(defaults.over(DEFAULT_POOLER_CONFIG) if defaults else DEFAULT_POOLER_CONFIG)
+
+    def _resolve_structured_outputs_config(self):
+        given = self.structured_outputs_config or {}
+        if not isinstance(given, dict) or set(given) - {"disable_additional_properties"} \
+                or not isinstance(given.get("disable_additional_properties", True), bool):
+            raise ValueError("structured_outputs_config must be a dict with at most the key "
+                             f"'disable_additional_properties' (a bool), got {given!r}")
+        self.structured_outputs_config = {"disable_additional_properties": True, **given}
 
     def _resolve_num_threads(self):
         if self.num_threads is None and os.environ.get(NUM_THREADS_ENV, "").strip():

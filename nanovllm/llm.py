@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 from nanovllm.startup import log_breakdown
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.outputs import RequestOutput
+from nanovllm.outputs import EmbeddingRequestOutput, RequestOutput
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams, check_text
 
 
@@ -25,19 +26,24 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list of prompts; outputs come back in input order."""
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
-                             "give one, or one per prompt")
+        return self._run(prompts, _one_per_prompt(sampling_params, SamplingParams, len(prompts)), use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed one prompt or a list of them (a model started with runner="pooling"); each output's
+        `.outputs.embedding` is its vector, in input order."""
+        prompts = _as_prompt_list(prompts)
+        return self._run(prompts, _one_per_prompt(pooling_params, PoolingParams, len(prompts)), use_tqdm)
+
+    def _run(self, prompts: list, params: list, use_tqdm: bool) -> list:
+        """Queue one request per prompt with its params, step until all are done, and return their
+        final outputs in input order."""
         engine = self.llm_engine
         # Validate every prompt before queueing any, so a bad one leaves nothing half-done.
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
         for request in requests:
             engine.enqueue(request)
-        final: dict[str, RequestOutput] = {}
+        final: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         prefill_start, decode_start = engine.prefill_tokens_computed, engine.decode_tokens_computed
         with bar:
@@ -65,8 +71,10 @@ class LLM:
         return self.llm_engine.get_metrics()
 
 
-def chat_prompt(tokenizer, conversation: list[dict], **template_kwargs) -> dict:
-    """A conversation through the model's chat template, as a prompt the engine takes.
+def chat_prompt(tokenizer, conversation: list[dict], add_special_tokens: bool = False, **template_kwargs) -> dict:
+    """A conversation through the model's chat template, as a prompt the engine takes;
+    `template_kwargs` go to transformers' apply_chat_template (add_generation_prompt, True unless
+    given; continue_final_message, chat_template, tools, documents, the template's own variables).
 
     A template that rejects a system message (Gemma 2's has no system role) gets the
     conversation with the system text put before the first user message's, as the templates that
@@ -74,16 +82,16 @@ def chat_prompt(tokenizer, conversation: list[dict], **template_kwargs) -> dict:
     for i, message in enumerate(conversation):
         if isinstance(message, dict) and isinstance(message.get("content"), str):
             check_text(f"messages[{i}].content", message["content"])
+    template_kwargs.setdefault("add_generation_prompt", True)
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                             **template_kwargs)
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **template_kwargs)
     except jinja2.TemplateError:
         folded = _system_folded_into_first_user_message(conversation)
         if folded is None:
             raise
-        text = tokenizer.apply_chat_template(folded, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    # The template already holds the special tokens the model wants.
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        text = tokenizer.apply_chat_template(folded, tokenize=False, **template_kwargs)
+    # By default none are added: the template already holds the special tokens the model wants.
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=add_special_tokens)}
 
 
 def _system_folded_into_first_user_message(conversation: list[dict]) -> list[dict] | None:
@@ -97,6 +105,17 @@ def _system_folded_into_first_user_message(conversation: list[dict]) -> list[dic
             or not isinstance(system.get("content"), str) or not isinstance(user.get("content"), str)):
         return None
     return [{**user, "content": f"{system['content']}\n\n{user['content']}"}, *conversation[2:]]
+
+
+def _one_per_prompt(params, kind: type, num_prompts: int) -> list:
+    """`params` (None: the defaults of `kind`; one for all; or one per prompt) as one per prompt."""
+    if params is None:
+        params = kind()
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} {kind.__name__} for {num_prompts} prompts; give one, or one per prompt")
+    return params
 
 
 def _as_prompt_list(prompts) -> list:

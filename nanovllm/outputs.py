@@ -1,4 +1,5 @@
-"""What the engine returns, shaped as vLLM's RequestOutput / CompletionOutput / Logprob.
+"""What the engine returns, shaped as vLLM's RequestOutput / CompletionOutput / Logprob, and a
+pooling model's EmbeddingRequestOutput / EmbeddingOutput.
 
 Logprobs are log_softmax of the model's raw logits, before temperature, penalties and
 top-k/top-p/min-p (vLLM's default): they describe the model, not the sampling settings.
@@ -37,3 +38,20 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry is None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # empty when the request did not finish normally (finish_reason)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A pooling model's answer to one prompt (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    finish_reason: str | None = None  # "stop" (pooled), "abort" or "error" (its step failed)

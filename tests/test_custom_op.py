@@ -73,8 +73,8 @@ def test_an_engine_model_stays_as_it_was_built(tiny_checkpoint, monkeypatch, eng
         cls = get_model_class(hf_config)
 
         class Recorded(cls):
-            def __init__(self, *args):
-                super().__init__(*args)
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
                 built.update(built_state(self))
         return Recorded
 

@@ -340,7 +340,7 @@ def _error_cases():
         ("not an object", b'["x"]', API_KEY, 400, None, "JSON object"),
         ("wrong type", {"prompt": "x", "temperature": "hot"}, API_KEY, 400, "temperature", "valid number"),
         ("bool is no int", {"prompt": "x", "max_tokens": True}, API_KEY, 400, "max_tokens", "valid integer"),
-        ("unknown field", {"prompt": "x", "suffix": "!"}, API_KEY, 400, "suffix", "Unrecognized"),
+        ("refused field", {"prompt": "x", "suffix": "!"}, API_KEY, 400, "suffix", "suffix is not supported"),
         ("bad prompt", {"prompt": [1.5]}, API_KEY, 400, "prompt", "prompt must be"),
         ("out of range", {"prompt": "x", "top_p": 0}, API_KEY, 400, "top_p", "top_p must be"),
         ("too many logprobs", {"prompt": "x", "logprobs": 21}, API_KEY, 400, "logprobs", "20"),

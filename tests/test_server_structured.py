@@ -179,6 +179,55 @@ def test_forced_tool_calls_match_their_schemas(client, tool_choice, stream):
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
+class UserDetail(BaseModel):  # instructor's example: pydantic's schema says nothing of other keys
+    name: str = Field(max_length=20)
+    age: int
+
+
+def _object_keys(value) -> list[set]:
+    """The key sets of every object in a JSON value."""
+    if isinstance(value, dict):
+        return [set(value)] + [keys for v in value.values() for keys in _object_keys(v)]
+    if isinstance(value, list):
+        return [keys for v in value for keys in _object_keys(v)]
+    return []
+
+
+def test_no_undeclared_properties_over_20_samples(client):
+    schema = UserDetail.model_json_schema()
+    assert "additionalProperties" not in schema
+    tools = [{"type": "function", "function": {"name": "UserDetail", "parameters": schema}}]
+    completion = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Extract: Jason is 25 years old and likes hiking."}],
+        tools=tools, tool_choice={"type": "function", "function": {"name": "UserDetail"}}, n=20, seed=0,
+        temperature=1.0, max_tokens=60)
+    complete = [c for c in completion.choices if c.finish_reason == "tool_calls"]
+    assert len(complete) >= 15
+    for choice in complete:
+        arguments = json.loads(choice.message.tool_calls[0].function.arguments)
+        assert all(keys <= {"name", "age"} for keys in _object_keys(arguments)), arguments
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice, max_tokens, stop, finish", [
+    ("required", 12, None, "length"), ({"type": "function", "function": {"name": "get_weather"}}, 4, None, "length"),
+    ({"type": "function", "function": {"name": "get_weather"}}, 120, [","], "stop")])
+def test_a_forced_call_cut_short(client, tool_choice, max_tokens, stop, finish, stream):
+    """One rule, streamed or not, for a call cut by max_tokens or a stop string: no partial call,
+    nothing of it as content."""
+    kwargs = dict(model=NAME, messages=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                  max_tokens=max_tokens, stop=stop)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        got_finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, got_finish = choice.message.content or "", choice.message.tool_calls or [], choice.finish_reason
+    assert (content, calls, got_finish) == ("", [], finish)
+
+
 def test_conversation_with_a_tool_result_continues(client):
     first = client.chat.completions.create(model=NAME, messages=ASK_WEATHER, tools=TOOLS,
                                            tool_choice="required", parallel_tool_calls=False, temperature=0,

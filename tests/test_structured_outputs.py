@@ -14,7 +14,7 @@ import torch
 from conftest import make_tiny_tokenizer, requires_default_model
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.sampler import Sampler, SamplingBatch
-from nanovllm.engine.structured_output import StructuredOutputs, grammar_bitmask
+from nanovllm.engine.structured_output import StructuredOutputs, grammar_bitmask, without_undeclared_properties
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.layers.sampling_ops import SamplingOps
 from nanovllm.platforms.cpu import KernelSamplingOps
@@ -205,3 +205,24 @@ def test_rejected_constraint_leaves_engine_serving(llm, constraint, message):
     assert len(out.outputs[0].token_ids) == 4
     metrics = llm.get_metrics()
     assert metrics["num_free_blocks"] == metrics["num_kvcache_blocks"] and metrics["num_waiting"] == 0
+
+
+def test_undeclared_properties_are_forbidden_where_the_schema_is_silent():
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                                               "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+              "$defs": {"Item": {"properties": {"name": {"type": "string"}}},
+                        "Open": {"properties": {"y": {}}, "additionalProperties": True},
+                        "Either": {"anyOf": [{"properties": {"z": {}}}, {"type": "string"}]}}}
+    closed = without_undeclared_properties(schema)
+    assert closed["additionalProperties"] is False
+    # A property named "properties" is a property, not the keyword: its schema is closed, the map is not.
+    assert "additionalProperties" not in closed["properties"]
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert closed["$defs"]["Item"]["additionalProperties"] is False
+    assert closed["$defs"]["Open"]["additionalProperties"] is True  # said by the schema: kept
+    either = closed["$defs"]["Either"]["anyOf"]
+    assert either[0]["additionalProperties"] is False and either[1] == {"type": "string"}
+    assert "additionalProperties" not in schema  # a copy
+    jsonschema.validate({"properties": {"x": 1}, "items": [{"name": "a"}]}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"properties": {"x": 1}, "items": [{"name": "a", "junk": 1}]}, closed)

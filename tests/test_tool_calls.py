@@ -171,3 +171,42 @@ def test_stream_required_and_named():
                         HermesParser())
     content, calls = _replay(named, '{"a": 10, "b": 20}')
     assert content == "" and calls == [{"name": "add", "arguments": '{"a": 10, "b": 20}'}]
+
+
+# ----- a reply cut by max_tokens -----
+
+CUT_CASES = [  # (tool_choice, the text at the cut, the calls completed before it)
+    ("required", '[{"name": "now", "parameters": {}}, {"name": "add", "parameters": {"a": 1', ["now"]),
+    ("required", '[{"name": "add", "parameters": {"a": 1', []),
+    ({"type": "function", "function": {"name": "add"}}, '{"a": 1, "b"', []),
+    ({"type": "function", "function": {"name": "add"}}, '{"a": 1, "b": 2}', ["add"]),  # complete as the budget ran out
+    ("auto", 'Sure.<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "add", "argu', ["now"]),
+    ("auto", 'Sure.<tool_call>{"name": "add", "argu', []),
+]
+
+
+@pytest.mark.parametrize("tool_choice, text, names", CUT_CASES)
+def test_a_cut_call_is_dropped_and_nothing_of_it_is_content(tool_choice, text, names):
+    tools = ToolCalling(_request(tools=TOOLS, tool_choice=tool_choice), HermesParser())
+    message = tools.message(text, cut=True)
+    assert [c["function"]["name"] for c in message.get("tool_calls", [])] == names
+    assert message["content"] in (None, "Sure.")
+    # Streamed: the same calls, and the same content, as the text grows and is cut.
+    stream = tools.stream()
+    content, calls = "", []
+    for end in range(1, len(text) + 1):
+        delta, deltas = stream.advance(text[:end], end == len(text), cut=end == len(text))
+        content += delta
+        calls += [d["function"]["name"] for d in deltas]
+    assert calls == names and (content or None) == message["content"]
+
+
+def test_empty_parameters_mean_no_arguments():
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {}}}]
+    named = ToolCalling(_request(tools=tools, tool_choice={"type": "function", "function": {"name": "now"}}),
+                        HermesParser())
+    schema = named.constraint().json
+    jsonschema.validate({}, schema)
+    for not_an_object in ([], None, 12345678901234567890, {"x": 1}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(not_an_object, schema)

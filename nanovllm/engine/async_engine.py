@@ -22,6 +22,7 @@ from typing import Protocol
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class AsyncLLMEngine:
     # ----- called from event loops -----
 
     async def add_requests(self, request_ids: Sequence[str], prompts: Sequence,
-                           params: SamplingParams) -> RequestStream:
+                           params: SamplingParams | PoolingParams) -> RequestStream:
         """Validate and queue one request per prompt, all or none; returns their shared stream.
 
         Raises what `LLMEngine.make_request` raises (ValueError, TypeError) for a bad prompt, so
@@ -243,7 +244,8 @@ class AsyncLLMEngine:
             tracked.stream.put(output)
 
     def _observe(self, tracked: _Tracked, output: RequestOutput, now: float):
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        # A pooling model's output (EmbeddingRequestOutput) has no tokens to time, only its end.
+        num_tokens = sum(len(c.token_ids) for c in output.outputs) if isinstance(output, RequestOutput) else 0
         if num_tokens > tracked.num_tokens:
             if tracked.last_token_time is None:
                 self.observer.first_token(now - tracked.arrival)

@@ -66,8 +66,9 @@ class BlockManager:
 
         At most num_tokens - 1 tokens may hit, so that a fully cached prompt still computes
         its last token (the step needs logits to sample from)."""
-        # Prompt logprobs need every prompt position computed, so such a sequence never hits.
-        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+        # Prompt logprobs, and MEAN or CLS pooling, need every prompt position computed, so such
+        # a sequence never hits.
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs or seq.pools_every_position:
             return []
         hits, parent = [], None
         bs = self.block_size

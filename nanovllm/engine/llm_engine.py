@@ -2,7 +2,9 @@
 scheduler and model runner, and turns sampled tokens into outputs (logprobs, incremental text).
 
 `add_request` / `step` / `abort_request` is the streaming interface the CLI and the server
-use; `step` returns a RequestOutput for every request that advanced, with cumulative text.
+use; `step` returns a RequestOutput for every request that advanced, with cumulative text. A
+pooling model's engine (runner="pooling") takes PoolingParams instead, and its `step` returns
+an EmbeddingRequestOutput for every request whose prompt was pooled.
 """
 
 import logging
@@ -20,7 +22,10 @@ from nanovllm.engine.sampler import SamplerOutput, TokenLogprobs
 from nanovllm.engine.sequence import Request
 from nanovllm.engine.stop import StopChecker
 from nanovllm.engine.structured_output import StructuredOutputs
-from nanovllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from nanovllm.layers.pooler import PoolerOutput
+from nanovllm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PositionLogprobs,
+                              RequestOutput)
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams, check_text
 
 logger = logging.getLogger(__name__)
@@ -33,7 +38,10 @@ class LLMEngine:
             self.tokenizer = config.checkpoint.tokenizer()
         self.eos_token_ids = config.checkpoint.eos_token_ids(config.hf_config, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
-        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.pooling = config.runner == "pooling"  # one engine either pools or generates
+        self.structured_outputs = StructuredOutputs(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            forbid_undeclared_properties=config.structured_outputs_config["disable_additional_properties"])
         if config.device == "cpu":
             torch.set_num_threads(config.num_threads)  # the kernels' pool and torch's both follow it
         self.executor = make_executor(config)
@@ -49,15 +57,24 @@ class LLMEngine:
 
     # ----- requests -----
 
-    def make_request(self, prompt, sampling_params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and tokenize one prompt; raises ValueError before anything is queued."""
+    def make_request(self, prompt, sampling_params: SamplingParams | PoolingParams,
+                     request_id: str | None = None) -> Request:
+        """Validate and tokenize one prompt; raises ValueError before anything is queued.
+        `sampling_params` is a PoolingParams for a pooling model."""
         if request_id is None:
             request_id = str(next(self._request_ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, PoolingParams):
+            if not self.pooling:
+                raise ValueError(NOT_POOLING)
+            sampling_params.check_against_model(self.config.hf_config.hidden_size)
+        elif not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(sampling_params).__name__}")
-        sampling_params.check_against_vocabulary(self.vocab_size)
+        elif self.pooling:
+            raise ValueError(NOT_GENERATING)
+        else:
+            sampling_params.check_against_vocabulary(self.vocab_size)
         text, prompt = _split_prompt(prompt)
         if text is not None:
             check_text("prompt", text)
@@ -75,6 +92,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         max_len = self.config.max_model_len
+        if self.pooling:
+            return self._pooling_request(request_id, text, token_ids, sampling_params)
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = max_len - len(token_ids)
@@ -96,7 +115,15 @@ class LLMEngine:
             make_grammar = lambda: self.structured_outputs.new_state(compiled)  # noqa: E731
         return Request(request_id, text, token_ids, sampling_params, stop_checker, make_grammar)
 
-    def add_request(self, request_id: str | None, prompt, sampling_params: SamplingParams) -> Request:
+    def _pooling_request(self, request_id: str, text: str | None, token_ids: list[int],
+                         params: PoolingParams) -> Request:
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) exceeds max_model_len={self.config.max_model_len}")
+        request = Request(request_id, text, token_ids, None, pooling_params=params)
+        request.seqs[0].pools_every_position = self.config.pooler_config.reads_every_position
+        return request
+
+    def add_request(self, request_id: str | None, prompt, sampling_params: SamplingParams | PoolingParams) -> Request:
         request = self.make_request(prompt, sampling_params, request_id)
         self.enqueue(request)
         return request
@@ -133,6 +160,8 @@ class LLMEngine:
             if not self.executor.survives(error):
                 raise
             return self._fail_step(batch, error)
+        if self.pooling:
+            return self._pooled(batch, out)
         num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.decode_tokens_computed += num_decode
@@ -150,6 +179,23 @@ class LLMEngine:
             if request.finished:
                 self._forget(request)
         return outputs
+
+    def _pooled(self, batch: ScheduledBatch, out: PoolerOutput) -> list[EmbeddingRequestOutput]:
+        """A pooling step's outputs: its requests whose prompts were pooled, which are done."""
+        self.prefill_tokens_computed += batch.num_tokens
+        pooled = self.scheduler.postprocess_pooled(batch)
+        outputs = []
+        for seq, embedding in zip(pooled, out.embeddings, strict=True):
+            request = self.requests[seq.request_id]
+            outputs.append(self._embedding_output(request, embedding))
+            self._forget(request)
+        return outputs
+
+    def _embedding_output(self, request: Request, embedding: list[float]) -> EmbeddingRequestOutput:
+        seq = request.seqs[0]
+        return EmbeddingRequestOutput(request.request_id, EmbeddingOutput(embedding), request.prompt_token_ids,
+                                      finished=seq.is_finished, prompt=request.prompt,
+                                      finish_reason=seq.finish_reason)
 
     def _fail_step(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
         """A step raised, leaving the engine sound: its requests end with finish_reason "error"
@@ -180,7 +226,9 @@ class LLMEngine:
             result[token] = Logprob(entry.chosen_logprob, entry.rank, self.tokenizer.decode([token]))
         return result
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request) -> RequestOutput | EmbeddingRequestOutput:
+        if request.pooling_params is not None:  # an abort or a failed step: no vector
+            return self._embedding_output(request, [])
         completions = []
         for seq in request.seqs:
             text = seq.stop_checker.detokenizer.output_text(seq.is_finished)
@@ -210,6 +258,12 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
+
+
+NOT_POOLING = ("this model was not started as a pooling model, so it cannot embed; start it with "
+               "runner='pooling' (--runner pooling)")
+NOT_GENERATING = ("this model was started as a pooling model (runner='pooling'): it embeds (LLM.embed, "
+                  "/v1/embeddings) and cannot generate")
 
 
 def _split_prompt(prompt) -> tuple[str | None, object]:

@@ -1,6 +1,6 @@
 """Runs the model for one scheduled batch: builds the flat step tensors, runs the forward
 pass under the attention backend's metadata, computes logits only for the positions
-that sample, and samples.
+that sample, and samples; or, for a pooling model, pools each prompt's hidden states.
 
 It also owns the model weights and the paged KV cache (one tensor each for K and V per
 layer, in the attention backend's layout, sliced into the attention layers).
@@ -21,7 +21,9 @@ from nanovllm.engine.structured_output import grammar_bitmask
 from nanovllm.engine.transfer import to_device
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.build_context import built_for
+from nanovllm.layers.pooler import Pooler, PoolerOutput
 from nanovllm.layers.quantization.chooser import LinearMethodChooser
+from nanovllm.loader.pooling_view import PoolingModelView
 from nanovllm.loader.weights import load_weights
 from nanovllm.models.registry import get_model_class
 from nanovllm.platforms import get_platform
@@ -48,29 +50,35 @@ class ModelRunner:
         with startup_phase("KV cache"):
             self.num_kvcache_blocks = self._num_kv_blocks()
             self._allocate_kv_cache()
-        # Decode steps replay captured graphs when the platform gives a runner for them.
-        self.cuda_graphs = self.platform.graph_runner(self.model, self.backend, config)
+        # Decode steps replay captured graphs when the platform gives a runner for them; a pooling
+        # model's steps are all prefill, so it captures none.
+        pooling = config.runner == "pooling"
+        self.cuda_graphs = None if pooling else self.platform.graph_runner(self.model, self.backend, config)
         with startup_phase("compile and warm-up"):
             self.compile_seconds = self.platform.compile(self.model, self._warmup)
         self.sampler = Sampler(self.platform.sampling_ops())
+        # A pooling model's: every step pools instead of sampling.
+        self.pooler = Pooler(config.pooler_config) if pooling else None
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
 
     def _load_model(self) -> torch.nn.Module:
         config = self.config
         model_cls = get_model_class(config.hf_config)
+        pooling = config.runner == "pooling"
+        checkpoint = PoolingModelView(config.checkpoint) if pooling else config.checkpoint
         default_dtype = torch.get_default_dtype()
         with startup_phase("model and weights"):
-            linear_methods = LinearMethodChooser(self.platform, config.checkpoint.block_types(config.quantization),
+            linear_methods = LinearMethodChooser(self.platform, checkpoint.block_types(config.quantization),
                                                  model_cls.packed_modules_mapping,
                                                  getattr(model_cls, "expert_params_mapping", None))
             torch.set_default_dtype(config.torch_dtype)
             try:
                 with torch.device(self.device), built_for(self.platform):
-                    model = model_cls(config.hf_config, self.tp_group, linear_methods)
+                    model = model_cls(config.hf_config, self.tp_group, linear_methods, with_lm_head=not pooling)
             finally:
                 torch.set_default_dtype(default_dtype)
             linear_methods.log_dequantized()
-            load_weights(model, config.checkpoint.weights(config.torch_dtype, linear_methods.kept_in_blocks))
+            load_weights(model, checkpoint.weights(config.torch_dtype, linear_methods.kept_in_blocks))
         with startup_phase("repack weights for the platform"):
             for module in model.modules():  # each once: a tied head is its embedding module
                 if hasattr(module, "linear_method"):
@@ -168,8 +176,9 @@ class ModelRunner:
         return to_device(input_ids, torch.long, dev), to_device(positions, torch.long, dev), layout
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Run one step; returns one sampled token per sequence that samples, in batch order."""
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput | PoolerOutput:
+        """Run one step; returns one sampled token per sequence that samples, in batch order (a
+        pooling model: one vector per sequence whose prompt ends this step)."""
         input_ids, positions, layout = self._prepare(batch)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(layout):
             hidden = self.cuda_graphs.run(input_ids, positions, layout)
@@ -177,7 +186,27 @@ class ModelRunner:
             metadata = self.backend.prepare(layout)
             with forward_context(self.backend, metadata):
                 hidden = self.model(input_ids, positions)
+        if self.pooler is not None:
+            return self._pool(batch, hidden)
         return self._sample(batch, hidden)
+
+    def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> PoolerOutput:
+        """Carry each sequence's pooling state over its rows; a sequence whose prompt ends this
+        step gets its vector. Rank 0 pools (every rank holds the same whole hidden states)."""
+        if self.tp_group.rank != 0:
+            return PoolerOutput([])
+        vectors, end = [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = end, end + n
+            rows = hidden[start:end]
+            seq.pooling_state = self.pooler.accumulate(seq.pooling_state, rows, seq.num_computed_tokens)
+            if batch.samples(i):
+                vectors.append(self.pooler.finish(seq.pooling_state, rows, seq.num_tokens, seq.pooling_params))
+        if not vectors:
+            return PoolerOutput([])
+        # One copy to the host for the step's vectors.
+        flat = torch.cat(vectors).cpu()
+        return PoolerOutput([v.tolist() for v in flat.split([len(v) for v in vectors])])
 
     def survives(self, error: Exception) -> bool:
         """Whether further steps can run after `error` escaped `execute`: yes for a fault of the

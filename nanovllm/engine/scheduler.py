@@ -4,7 +4,8 @@ One token budget (`max_num_batched_tokens`) per step is shared by running sequen
 first (a decode is one token; an unfinished prompt continues with a chunk) and then by
 waiting prompts, chunked to fit, so a long prompt never stalls running sequences. When
 blocks run out, the newest running sequence is preempted by recompute. Whether a sequence
-ends is its stop checker's call; the scheduler frees what ended. Pure Python: no tensors here.
+ends is its stop checker's call (a pooling model's ends with its prompt); the scheduler frees
+what ended. Pure Python: no tensors here.
 """
 
 from collections import deque
@@ -121,10 +122,7 @@ class Scheduler:
         tokens = iter(sampled)
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
-            seq.num_computed_tokens += batch.num_new_tokens[i]
-            # The step has run, so these blocks' KV is written: their hashes may be published.
-            self.block_manager.cache_full_blocks(seq)
-            self.block_manager.free_out_of_window(seq)
+            self._advance(seq, batch.num_new_tokens[i])
             if not samples:
                 continue
             token = next(tokens)
@@ -137,6 +135,24 @@ class Scheduler:
             if stop is not None:
                 self.finish(seq, *stop)
         return advanced
+
+    def postprocess_pooled(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance a pooling model's batch after its step ran: a sequence whose prompt ended was
+        pooled, and finishes (its blocks return to the pool). Returns those, in batch order."""
+        pooled = []
+        for i, seq in enumerate(batch.seqs):
+            ends = batch.samples(i)
+            self._advance(seq, batch.num_new_tokens[i])
+            if ends:
+                self.finish(seq, "stop")
+                pooled.append(seq)
+        return pooled
+
+    def _advance(self, seq: Sequence, num_new_tokens: int):
+        seq.num_computed_tokens += num_new_tokens
+        # The step has run, so these blocks' KV is written: their hashes may be published.
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.free_out_of_window(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End seq (as its stop checker decided, or on an abort or a failed step) and free its blocks."""

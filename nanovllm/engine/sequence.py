@@ -1,6 +1,7 @@
 """A request and its generation streams (sequences): tokens, how far each stream's KV is
 computed, its block table, its stop checker, its grammar state if constrained, and what has been
-produced for the caller so far."""
+produced for the caller so far. A pooling model's request (runner="pooling") has one sequence
+that samples nothing: it prefills its prompt, is pooled into a vector, and finishes."""
 
 from collections.abc import Callable
 from enum import Enum, auto
@@ -11,6 +12,7 @@ import torch
 from nanovllm.engine.stop import StopChecker
 from nanovllm.engine.structured_output import GrammarState
 from nanovllm.outputs import PositionLogprobs
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -23,15 +25,21 @@ class SequenceStatus(Enum):
 class Sequence:
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams,
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None,
                  stop_checker: StopChecker | None = None, index: int = 0, parent: "Sequence | None" = None,
-                 grammar: GrammarState | None = None):
+                 grammar: GrammarState | None = None, pooling_params: PoolingParams | None = None):
+        """A pooling sequence has `pooling_params` and no sampling params (None)."""
         self.seq_id = next(Sequence._ids)
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        # Pooling (rank 0 only): what the pooler carries from one chunk of the prompt to the next;
+        # whether it reads every prompt position (MEAN, CLS), which a prefix-cache hit would skip.
+        self.pooling_state: torch.Tensor | None = None
+        self.pools_every_position = False
         # Decides when this sequence ends (by default from its params alone: no EOS, no text).
-        self.stop_checker = stop_checker or StopChecker(sampling_params)
+        self.stop_checker = stop_checker or (StopChecker(sampling_params) if sampling_params is not None else None)
         # Where this stream stands in its structured-output constraint (rank 0 only); it has
         # consumed every generated token, so it survives preemption as it is.
         self.grammar = grammar
@@ -49,7 +57,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         # Sampling state (rank 0 only): a private random stream for seeded requests.
         self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
+        if sampling_params is not None and sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(hash((sampling_params.seed, index)) & (2**63 - 1))
         self.logprobs: list[PositionLogprobs] = []
         self.cumulative_logprob = 0.0
@@ -77,7 +85,8 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs are computed once, by the first stream, while its prompt is prefilled."""
-        return (self.index == 0 and self.sampling_params.prompt_logprobs is not None
+        return (self.index == 0 and self.sampling_params is not None
+                and self.sampling_params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     def reset_for_recompute(self):
@@ -92,14 +101,20 @@ class Request:
     """One prompt submitted by a caller and its `n` sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, make_stop_checker: Callable[[], StopChecker] | None = None,
-                 make_grammar: Callable[[], GrammarState] | None = None):
+                 sampling_params: SamplingParams | None, make_stop_checker: Callable[[], StopChecker] | None = None,
+                 make_grammar: Callable[[], GrammarState] | None = None, pooling_params: PoolingParams | None = None):
         """`make_stop_checker` gives each sequence its own checker (a detokenizer follows one
-        stream), `make_grammar` its own grammar state when the request is constrained."""
+        stream), `make_grammar` its own grammar state when the request is constrained. A pooling
+        request gives `pooling_params` instead of sampling params."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        if pooling_params is not None:
+            self.seqs = [Sequence(prompt_token_ids, None, pooling_params=pooling_params)]
+            self.seqs[0].request_id = request_id
+            return
         make = make_stop_checker or (lambda: StopChecker(sampling_params))
         grammar = make_grammar or (lambda: None)
         first = Sequence(prompt_token_ids, sampling_params, make(), grammar=grammar())

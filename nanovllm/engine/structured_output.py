@@ -13,6 +13,12 @@ schema share one compilation. A sequence's matcher consumes every token the sequ
 tokens it has consumed stay in the sequence. The matcher allows EOS exactly where the grammar
 accepts, and once it has stopped (nothing may follow) the sequence ends.
 
+A JSON schema's objects that declare properties but say nothing of others get
+`additionalProperties: false` (unless the engine's structured_outputs_config turns
+disable_additional_properties off): llguidance, like the JSON Schema standard, lets undeclared
+keys through, where vLLM's default backend forbids them, and a small model fills that room with
+junk keys that break the client's parsing.
+
 llguidance is imported on first use: an engine without it runs every unconstrained request.
 """
 
@@ -81,8 +87,10 @@ class GrammarState:
 class StructuredOutputs:
     """Compiles constraints for one tokenizer into matchers, one per sequence."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: set[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: set[int],
+                 forbid_undeclared_properties: bool = True):
         self.hf_tokenizer = tokenizer
+        self.forbid_undeclared_properties = forbid_undeclared_properties
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._lock = threading.Lock()  # the server compiles on its own threads, the engine thread steps
@@ -115,7 +123,7 @@ class StructuredOutputs:
                 return matcher
             tokenizer = self._llg_tokenizer()
         llg = _llguidance()
-        grammar = _grammar(llg, params)
+        grammar = _grammar(llg, params, self.forbid_undeclared_properties)
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ConstraintError(params.kind, _summary(matcher.get_error()))
@@ -153,12 +161,13 @@ def grammar_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch
     return bitmask
 
 
-def _grammar(llg: ModuleType, params: StructuredOutputsParams) -> str:
+def _grammar(llg: ModuleType, params: StructuredOutputsParams, forbid_undeclared_properties: bool) -> str:
     """llguidance's grammar text for one constraint."""
     kind = params.kind
     try:
         if kind == "json":
-            return llg.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+            schema = without_undeclared_properties(params.json) if forbid_undeclared_properties else params.json
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
@@ -168,6 +177,35 @@ def _grammar(llg: ModuleType, params: StructuredOutputsParams) -> str:
         return llg.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
         raise ConstraintError(kind, _summary(str(e))) from None
+
+
+# The keywords whose values are schemas, lists of schemas, or maps of names to schemas: the
+# walk below goes through these only, so that a property named "properties" is not taken for one.
+_SCHEMA_KEYWORDS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                    "unevaluatedItems", "additionalProperties", "unevaluatedProperties")
+_SCHEMA_LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_undeclared_properties(schema):
+    """A copy of a JSON schema in which every object schema that declares properties and does
+    not say whether others may follow (additionalProperties / unevaluatedProperties) forbids them."""
+    if not isinstance(schema, dict):
+        return schema
+    result = dict(schema)
+    for key in _SCHEMA_KEYWORDS:
+        if key in result:
+            result[key] = without_undeclared_properties(result[key])
+    for key in _SCHEMA_LIST_KEYWORDS:
+        if isinstance(result.get(key), list):
+            result[key] = [without_undeclared_properties(s) for s in result[key]]
+    for key in _SCHEMA_MAP_KEYWORDS:
+        if isinstance(result.get(key), dict):
+            result[key] = {name: without_undeclared_properties(s) for name, s in result[key].items()}
+    declares = "properties" in result or "patternProperties" in result
+    if declares and "additionalProperties" not in result and "unevaluatedProperties" not in result:
+        result["additionalProperties"] = False
+    return result
 
 
 def _summary(message: str) -> str:

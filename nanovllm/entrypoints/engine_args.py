@@ -5,11 +5,13 @@ functions, so a flag means the same thing everywhere and its default is `EngineC
 
 import argparse
 import dataclasses
+import json
 import logging
 from typing import Any
 
 from nanovllm.config import DTYPES, QUANTIZATIONS, EngineConfig
 from nanovllm.loader.default_model import DEFAULT_MODEL_ALIAS
+from nanovllm.pooling_params import POOLING_TYPES, RUNNERS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.init}
 
@@ -39,6 +41,11 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--tensor-parallel-size", "-tp"), "tensor_parallel_size", dict(type=int, metavar="N",
                                                                      help="number of tensor-parallel ranks")),
     (("--seed",), "seed", dict(type=int, help="seed of the engine's random stream")),
+    (("--structured-outputs-config",), "structured_outputs_config",
+     dict(type=lambda text: _json_object("--structured-outputs-config", text), metavar="JSON",
+          help='structured-outputs options, as vLLM\'s: \'{"disable_additional_properties": false}\' lets a JSON '
+               "schema's output hold properties the schema does not declare (default: forbidden, unless the "
+               "schema's additionalProperties allows them)")),
     (("--threads",), "num_threads", dict(type=int, metavar="N",
                                          help="CPU threads (default: $NANOVLLM_NUM_THREADS, else the CPUs this "
                                               "process may use: its affinity and cgroup quota)")),
@@ -47,7 +54,26 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
                                                        "platform multiplies them (CPUs), else dequantized at load; "
                                                        "dense: dequantize every weight at load; q8_0/q4_0: quantize "
                                                        "a Hugging Face checkpoint at load")),
+    (("--runner",), "runner", dict(choices=RUNNERS, help="pooling: the model embeds (LLM.embed, /v1/embeddings) "
+                                                         "and cannot generate; auto: pooling for a base model "
+                                                         "without an LM head or a sentence-transformers "
+                                                         "directory, else generate")),
+    (("--pooler-config",), "pooler_config",
+     dict(type=lambda text: _json_object("--pooler-config", text), metavar="JSON",
+          help='a pooling model\'s pooling, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (pooling_type '
+               f"{', '.join(POOLING_TYPES)}; default: the checkpoint's sentence-transformers files, else LAST "
+               "and normalized)")),
 ]
+
+
+def _json_object(flag: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]

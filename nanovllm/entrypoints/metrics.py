@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanovllm.engine.async_engine import AsyncLLMEngine
-from nanovllm.outputs import RequestOutput
+from nanovllm.outputs import EmbeddingRequestOutput, RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
@@ -50,10 +50,12 @@ class ServerMetrics:
     def inter_token(self, seconds: float):
         self.itl.observe(seconds)
 
-    def finished(self, output: RequestOutput, seconds: float):
+    def finished(self, output: RequestOutput | EmbeddingRequestOutput, seconds: float):
         self.e2e.observe(seconds)
-        for completion in output.outputs:
-            self.request_success.labels(self.model_name, completion.finish_reason).inc()
+        reasons = ([completion.finish_reason for completion in output.outputs] if isinstance(output, RequestOutput)
+                   else [output.finish_reason])
+        for reason in reasons:
+            self.request_success.labels(self.model_name, reason).inc()
 
 
 class _EngineStateCollector:

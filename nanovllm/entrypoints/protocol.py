@@ -1,21 +1,30 @@
-"""The OpenAI API's request bodies as strict pydantic models, and its error shape.
+"""The OpenAI API's request bodies as pydantic models, and its error shape.
 
-Every field a model declares is honoured; any other field is rejected by name (OpenAI's own
-"Unrecognized request argument supplied: X"), except that a null value means "not given" for
-every field, known or not, as in OpenAI's API. Types are strict: "5" is not an integer and
-true is not 1. Values are range-checked by SamplingParams, whose messages name the field.
-Besides OpenAI's fields, vLLM's sampling extras are accepted (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-include_stop_str_in_output) and its `structured_outputs` (json, regex, choice, grammar,
-json_object), with vLLM's meanings; `response_format` maps onto the same constraints.
+Every field a model declares is honoured, with strict types: "5" is not an integer and true is
+not 1; a null value means "not given" for every field, as in OpenAI's API. Values are
+range-checked by SamplingParams, whose messages name the field. Besides OpenAI's fields, vLLM's
+sampling extras are accepted (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, skip_special_tokens, include_stop_str_in_output), its chat-template options and
+its `structured_outputs` (json, regex, choice, grammar, json_object), with vLLM's meanings;
+`response_format` maps onto the same constraints.
+
+Leniency as vLLM has it: a field no model declares is accepted and ignored, and
+`parse_request` names every such field of a request in one warning line (a client written for
+another server keeps working). A field whose request this server cannot honour, so that
+ignoring it would silently change the answer (`suffix`, `best_of` > n, beam search, the
+deprecated `functions`...), is refused with a 400 that says so (`REFUSED`).
 """
 
+import logging
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, check_text
+
+logger = logging.getLogger(__name__)
 
 
 def _valid_text(text: str) -> str:
@@ -47,17 +56,75 @@ def _encodable(text: str) -> str:
 
 
 class _Strict(BaseModel):
+    """A request body or a part of one: strict types, undeclared fields kept aside (`model_extra`)
+    for parse_request to name, and the fields in `refused` turned away unless harmless."""
+
     # populate_by_name: a field named by an alias (`schema`, `json`) is set by that name too.
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    # Field name -> (whether a given value is harmless to ignore, what to tell the client).
+    refused: ClassVar[dict[str, tuple[Callable[[Any, dict], bool], str]]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_absent(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        for name, (harmless, reason) in cls.refused.items():
+            if name in data and not harmless(data[name], data):
+                raise ValueError(f"{name} is not supported: {reason}")
+        return data
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The dotted names of the undeclared fields given here and in the parts below."""
+        names = [f"{prefix}{name}" for name in self.model_extra or {}]
+        for name, value in self:
+            for i, part in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(part, _Strict):
+                    index = f"[{i}]" if isinstance(value, list) else ""
+                    names += part.ignored_fields(f"{prefix}{name}{index}.")
+        return names
+
+
+def _false(value: Any, _: dict) -> bool:
+    return value is False
+
+
+def _empty(value: Any, _: dict) -> bool:
+    return value in ("", [], {})
+
+
+def _never(value: Any, _: dict) -> bool:
+    return False
+
+
+def _same_as_n(value: Any, data: dict) -> bool:
+    return value == data.get("n", 1)
+
+
+def _text_only(value: Any, _: dict) -> bool:
+    return value == ["text"]
+
+
+_STRUCTURED_OUTPUTS_INSTEAD = "vLLM replaced the guided_* fields; send structured_outputs: {json | regex | choice | grammar}"
+# Refused by both endpoints: the answer would differ from what the field asks for.
+_REFUSED_SAMPLING = {
+    "best_of": (_same_as_n, "this server returns every sampled completion, so best_of may only equal n"),
+    "use_beam_search": (_false, "beam search is not implemented; sample with n instead"),
+    "prompt_logprobs": (_never, "send echo with logprobs on /v1/completions for the prompt's logprobs"),
+    "return_tokens_as_token_ids": (_false, "tokens are always returned as text"),
+    "truncate_prompt_tokens": (_never, "a prompt is never truncated here; shorten it"),
+    "allowed_token_ids": (_never, "use logit_bias or structured_outputs to restrict tokens"),
+    "bad_words": (_empty, "use logit_bias to ban tokens"),
+    **{name: (_never, _STRUCTURED_OUTPUTS_INSTEAD)
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                    "guided_whitespace_pattern")},
+}
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk too
 
 
 class JSONSchemaFormat(_Strict):
@@ -88,8 +155,22 @@ class StructuredOutputsRequest(_Strict):
     json_object: bool | None = None
 
 
+# Fields of OpenAI's and vLLM's requests known to change nothing here (routing, storage, caching
+# and moderation hints, reasoning settings of models that have none): accepted, named in the log.
+_HARMLESS_SAMPLING = frozenset({
+    "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+    "safety_identifier", "moderation", "reasoning_effort", "verbosity", "priority", "request_id", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "spaces_between_special_tokens", "length_penalty",
+    "prediction", "web_search_options",
+})
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    refused = _REFUSED_SAMPLING
+    # Documentation, and what the field-coverage test holds the API's field lists to.
+    harmless: ClassVar[frozenset[str]] = _HARMLESS_SAMPLING
 
     model: Text | None = None  # None: the served model, as in vLLM
     n: int = Field(1, le=128)
@@ -175,41 +256,75 @@ class SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def include_continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: vLLM's continuous_usage_stats, which needs include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+def check_prompts(field: str, value: Any) -> Any:
+    """`value` if it is one prompt or a non-empty list of prompts (a prompt: a string, or a
+    non-empty list of token ids); ValueError naming `field` otherwise."""
+    def is_ids(item):
+        return isinstance(item, list) and bool(item) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in item)
+
+    if isinstance(value, str):
+        check_text(field, value)
+        return value
+    if is_ids(value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(item, str) or is_ids(item) for item in value):
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                check_text(f"{field}[{i}]", item)
+        return value
+    raise ValueError(f"{field} must be a string, a list of token ids, or a non-empty list of either (a list "
+                     "of token ids is never empty)")
+
+
+def as_prompt_list(value: str | list) -> list[str | list[int]]:
+    """One entry per prompt of a value check_prompts passed: a string or a list of token ids."""
+    return [value] if isinstance(value, str) or isinstance(value[0], int) else list(value)
+
 
 class CompletionRequest(SamplingRequest):
+    refused = {**_REFUSED_SAMPLING,
+               "suffix": (_empty, "text after an insertion point cannot be given; the completion follows the prompt")}
+
     prompt: Any  # a string, token ids, or a list of either; checked below
     max_tokens: int = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
 
     @field_validator("prompt")
     @classmethod
     def _prompt_shape(cls, prompt: Any) -> Any:
-        def is_ids(p):
-            return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)
-            return prompt
-        if is_ids(prompt) and prompt:
-            return prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
-            for i, p in enumerate(prompt):
-                if isinstance(p, str):
-                    check_text(f"prompt[{i}]", p)
-            return prompt
-        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
+        return check_prompts("prompt", prompt)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
+        return as_prompt_list(self.prompt)
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: Text
+
+
+# Content parts of other modalities, told apart so that the error says what is missing.
+_MEDIA_PARTS = ("image_url", "input_audio", "file", "video_url", "audio_url", "input_image")
+
+
+def _text_parts(content: Any) -> Any:
+    """Content parts before validation: a part of another modality is refused by name."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise ValueError(f"content[{i}] is an {kind} part, but this model takes text only; send text parts")
+    return content
 
 
 class FunctionCall(_Strict):
@@ -225,7 +340,7 @@ class ToolCallItem(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_text_parts)] = None
     name: Text | None = None
     tool_calls: list[ToolCallItem] | None = None  # an assistant's past calls
     tool_call_id: Text | None = None  # the call a tool message answers
@@ -270,6 +385,13 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    refused = {**_REFUSED_SAMPLING,
+               "functions": (_empty, "functions was replaced by tools; send tools (type function) instead"),
+               "function_call": (_never, "function_call was replaced by tool_choice; send tool_choice instead"),
+               "audio": (_never, "this model writes text only"),
+               "modalities": (_text_only, "this model writes text only; modalities may only be [\"text\"]"),
+               "echo": (_false, "echoing the last message is not implemented")}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to the model's context, as in OpenAI's chat API
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
@@ -278,11 +400,28 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
+    # vLLM's chat-template options, with its defaults.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template already holds the model's special tokens
+    chat_template: Text | None = None  # a Jinja template to use instead of the model's
+    chat_template_kwargs: dict | None = None  # more variables for the template (e.g. enable_thinking)
+    documents: list[dict] | None = None  # for templates that render retrieved documents
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
+        # vLLM's rule: top_logprobs 0 without logprobs asks for nothing and is let through.
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_or_open_a_turn(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, so add_generation_prompt "
+                             "must be false with it")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
     @field_validator("tools")
@@ -309,22 +448,45 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
 
-def parse_request(model: type[_Strict], data: Any) -> Any:
-    """Validate a decoded JSON body; any problem becomes a 400 naming the field."""
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's /tokenize of a text prompt."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """vLLM's /tokenize of chat messages: the prompt a chat request with these messages, tools and
+    template options would run (its sampling fields, if given, change nothing)."""
+
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Text | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+def parse_request(model: type[_Strict], data: Any, endpoint: str = "") -> Any:
+    """Validate a decoded JSON body; any problem becomes a 400 naming the field. Fields the
+    server ignores are named in one warning line (vLLM's leniency)."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     try:
-        return model.model_validate(data)
+        request = model.model_validate(data)
     except ValidationError as e:
         raise _as_api_error(e) from None
+    ignored = request.ignored_fields()
+    if ignored:
+        logger.warning("%s: fields ignored (they change nothing here): %s", endpoint or model.__name__,
+                       ", ".join(ignored))
+    return request
 
 
 def _as_api_error(e: ValidationError) -> APIError:
     errors = e.errors(include_url=False)
-    unknown = [err for err in errors if err["type"] == "extra_forbidden"]
-    if unknown:
-        names = [_location(err["loc"], keep_last=True) for err in unknown]
-        return APIError(400, f"Unrecognized request argument supplied: {', '.join(names)}", param=names[0])
     # Within a union pydantic reports every member's failure: the deepest is the most telling.
     err = max(errors, key=lambda err: len(err["loc"]))
     message = err["msg"].removeprefix("Value error, ")
@@ -337,19 +499,27 @@ def _as_api_error(e: ValidationError) -> APIError:
     return APIError(400, message, param=first_word if first_word in _FIELD_NAMES else None)
 
 
-def _location(loc: tuple, keep_last: bool = False) -> str:
+def _location(loc: tuple) -> str:
     """`messages[0].content` from pydantic's ('messages', 0, 'content', 'list[TextPart]', ...):
     the union members' names pydantic inserts are not part of the request's shape."""
     text = ""
-    for i, part in enumerate(loc):
+    for part in loc:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif part in _FIELD_NAMES or (keep_last and i == len(loc) - 1):
+        elif part in _FIELD_NAMES:
             text += f".{part}" if text else part
     return text
 
 
 _FIELD_NAMES = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
                                    ResponseFormat, JSONSchemaFormat, StructuredOutputsRequest, FunctionCall,
-                                   ToolCallItem, FunctionDefinition, Tool, FunctionName, NamedToolChoice)
-                for name in model.model_fields} | {"schema", "json"}  # the aliases
+                                   ToolCallItem, FunctionDefinition, Tool, FunctionName, NamedToolChoice,
+                                   TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+                for name in model.model_fields} | {"schema", "json"} | set(ChatCompletionRequest.refused) \
+    | set(CompletionRequest.refused)  # the aliases, the refused fields
+
+
+def add_field_names(*models: type[_Strict]) -> None:
+    """Let errors name the fields (and refused fields) of request models defined in other
+    modules (responses_protocol)."""
+    _FIELD_NAMES.update(name for model in models for name in (*model.model_fields, *model.refused))

@@ -288,12 +288,15 @@ class DecoderForCausalLM(nn.Module):
     def describe(config) -> DecoderDescription:
         raise NotImplementedError
 
-    def __init__(self, config, tp_group: TPGroup, linear_methods: LinearMethodChooser | None = None):
+    def __init__(self, config, tp_group: TPGroup, linear_methods: LinearMethodChooser | None = None,
+                 with_lm_head: bool = True):
+        """Without the LM head (`with_lm_head` False) the model is a pooling model's: it gives final
+        hidden states only, and has no compute_logits to call."""
         super().__init__()
         description = self.describe(config)
         self.model = DecoderModel(config, description, tp_group, linear_methods, "model")
         # A tied head is the embedding module itself (see layers/embed_head.py).
-        self.lm_head = (self.model.embed_tokens if config.tie_word_embeddings else
+        self.lm_head = (None if not with_lm_head else self.model.embed_tokens if config.tie_word_embeddings else
                         ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp_group,
                                        linear_methods=linear_methods, prefix="lm_head"))
         self.final_logit_softcap = description.final_logit_softcap

@@ -43,9 +43,25 @@ def register_model(architecture: str, model_class: type[nn.Module]) -> None:
     _MODELS[architecture] = model_class
 
 
-def get_model_class(hf_config) -> type[nn.Module]:
+def _causal_lm_of(arch: str) -> str:
+    """The CausalLM architecture whose decoder a base model (transformers' AutoModel: `Qwen3Model`,
+    `LlamaModel`, Gemma 3's `Gemma3TextModel`) is; other names stay as they are."""
+    if arch.endswith("Model"):
+        return arch.removesuffix("TextModel").removesuffix("Model") + "ForCausalLM"
+    return arch
+
+
+def is_base_model(hf_config) -> bool:
+    """Whether the checkpoint is a supported family's decoder saved without its LM head: it can
+    only pool (runner="pooling")."""
     architectures = getattr(hf_config, "architectures", None) or []
-    for arch in architectures:
+    return any(arch.endswith("Model") and _causal_lm_of(arch) in _MODELS for arch in architectures)
+
+
+def get_model_class(hf_config) -> type[nn.Module]:
+    """The family's class; a base model's is its CausalLM's (built without an LM head to pool)."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    for arch in map(_causal_lm_of, architectures):
         if arch in _MODELS:
             return _MODELS[arch]
         if arch in _UNSUPPORTED_ROUTERS:

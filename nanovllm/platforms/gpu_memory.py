@@ -53,10 +53,11 @@ def run_warmup_step(model: torch.nn.Module, attn_layers: list[Attention], backen
                                                     config.max_num_seqs, config.kvcache_block_size, device)
         with forward_context(backend, backend.prepare(layout)):
             hidden = model(input_ids, positions)
-        rows = torch.arange(config.max_num_seqs, device=device) % hidden.shape[0]
-        logits = model.compute_logits(hidden[rows])
-        if logits is not None:  # rank 0 samples
-            torch.softmax(logits, dim=-1)
+        if model.lm_head is not None:  # a pooling model has none, and makes no logits
+            rows = torch.arange(config.max_num_seqs, device=device) % hidden.shape[0]
+            logits = model.compute_logits(hidden[rows])
+            if logits is not None:  # rank 0 samples
+                torch.softmax(logits, dim=-1)
     finally:
         for layer in attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)

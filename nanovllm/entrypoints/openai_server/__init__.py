@@ -1,8 +1,11 @@
 """`nanovllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics. Every request goes through one AsyncLLMEngine, so all of them share one
-continuous batch. Responses follow OpenAI's wire format, streamed ones as server-sent events.
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/responses
+(and GET / DELETE of stored ones), POST /v1/embeddings (a pooling model's), POST /tokenize and
+/detokenize, GET /health, GET /metrics, and Anthropic's POST /v1/messages and
+/v1/messages/count_tokens. Every request goes
+through one AsyncLLMEngine, so all of them share one continuous batch. Responses follow OpenAI's
+wire format (Anthropic's on /v1/messages, errors included), streamed ones as server-sent events.
 
 Order of checks for a request: Host (400; only on a server bound to a loopback address, which
 answers only Hosts that name loopback, so a DNS-rebinding page cannot reach it), Origin (403
@@ -17,7 +20,9 @@ KV blocks at once. SIGINT/SIGTERM: stop accepting, let in-flight requests run fo
 exit with status 0.
 
 Modules: app (options, main, routes and checks), serving (what the endpoints share), completions
-and chat (one endpoint each), streaming (what a streamed choice has been sent so far).
+and chat (one endpoint each), responses and messages (OpenAI's Responses and Anthropic's
+Messages APIs, around chat's generation path), embeddings, tokenize, tools (tool calling in
+chat), streaming (what a streamed choice has been sent so far, and its usage).
 """
 
 from nanovllm.entrypoints.openai_server.app import add_arguments, build_app, main, served_name

@@ -1,7 +1,7 @@
 """The server process and its routes: the command's options and `main` (uvicorn, signals, the
 engine's lifetime and exit status), and `build_app`: the browser guards, the API-key check, the
 JSON body reader with its limits, the error handlers and the routes, which hand each request to
-the completions or chat endpoint."""
+the completions, chat, responses or messages (Anthropic's API) endpoint."""
 
 import argparse
 import functools
@@ -22,12 +22,20 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from nanovllm.entrypoints.anthropic_protocol import (CountTokensRequest, MessagesRequest, anthropic_error_body,
+                                                     parse_anthropic_request)
 from nanovllm.entrypoints.engine_args import add_engine_arguments, engine_kwargs
 from nanovllm.entrypoints.metrics import ServerMetrics
 from nanovllm.entrypoints.openai_server.chat import create_chat_completion
 from nanovllm.entrypoints.openai_server.completions import create_completion
+from nanovllm.entrypoints.openai_server.embeddings import create_embedding
+from nanovllm.entrypoints.openai_server.messages import count_message_tokens, create_message
+from nanovllm.entrypoints.openai_server.responses import ResponseStore, create_response
 from nanovllm.entrypoints.openai_server.serving import Serving
+from nanovllm.entrypoints.openai_server.tokenize import detokenize, tokenize
+from nanovllm.entrypoints.pooling_protocol import EmbeddingRequest
 from nanovllm.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from nanovllm.entrypoints.responses_protocol import ResponsesRequest
 from nanovllm.entrypoints.server_guards import BrowserGuard, ReadTimeoutH11Protocol, is_loopback, parse_origins
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 
@@ -44,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "bound to loopback, the server answers only requests whose Host names loopback")
     group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     group.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"), metavar="KEY",
-                       help="require `Authorization: Bearer KEY` on /v1 endpoints (default: $NANOVLLM_API_KEY; "
-                            "none: no key needed)")
+                       help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1 endpoints "
+                            "(default: $NANOVLLM_API_KEY; none: no key needed)")
     group.add_argument("--served-model-name", metavar="NAME",
                        help="the model's name in the API and in /metrics (default: the base name of --model, "
                             "e.g. Qwen3-0.6B for path/to/Qwen3-0.6B; never the path)")
@@ -153,11 +161,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, h
     `engine.start()`, while this thread may still read the engine.
 
     Long, as a list of routes and handlers is: each is a short closure over this app's settings,
-    and the request handling itself lives in serving, completions and chat."""
+    and the request handling itself lives in serving, completions, chat and responses."""
     serving = Serving(engine, model_name, max_prompts, tool_call_parser)
+    response_store = ResponseStore()
     app = FastAPI(title="nano-vllm", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_origins:  # preflights and CORS headers for them; the refusal of others is BrowserGuard's
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["*"])
     app.add_middleware(BrowserGuard, check_host=is_loopback(host), allowed_origins=allowed_origins)  # outermost
 
@@ -165,9 +175,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, h
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            scheme, given = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not given:
-            raise APIError(401, "You didn't provide an API key. Send it as `Authorization: Bearer KEY`.",
-                           code="invalid_api_key")
+            raise APIError(401, "You didn't provide an API key. Send it as `Authorization: Bearer KEY` "
+                                "(or `x-api-key: KEY`).", code="invalid_api_key")
         if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
@@ -192,26 +204,30 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, h
             raise APIError(400, f"We could not parse the JSON body of your request ({e}). The body must be "
                                 "a JSON object, sent with Content-Type: application/json.") from None
 
+    def error_response(request: Request, e: APIError, headers: dict | None = None) -> JSONResponse:
+        # Anthropic's clients read errors in Anthropic's shape.
+        anthropic = request.url.path.startswith("/v1/messages")
+        return JSONResponse(anthropic_error_body(e) if anthropic else e.body(), status_code=e.status, headers=headers)
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+    async def api_error(request: Request, e: APIError):
+        return error_response(request, e)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(_: Request, e: ClientDisconnect):  # e.g. its body was not read in time
         return Response(status_code=499)  # nobody reads this
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError):
-        return JSONResponse(APIError(503, str(e), type="server_error").body(), status_code=503)
+    async def engine_dead(request: Request, e: EngineDeadError):
+        return error_response(request, APIError(503, str(e), type="server_error"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
-                            headers=e.headers)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return error_response(request, APIError(e.status_code, str(e.detail)), headers=e.headers)
 
     @app.exception_handler(Exception)
-    async def server_error(_: Request, e: Exception):  # Starlette logs it too
-        return JSONResponse(APIError(500, f"internal error: {e!r}", type="server_error").body(), status_code=500)
+    async def server_error(request: Request, e: Exception):  # Starlette logs it too
+        return error_response(request, APIError(500, f"internal error: {e!r}", type="server_error"))
 
     @app.get("/health")
     async def health():
@@ -235,13 +251,49 @@ def build_app(engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, h
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(request: Request):
-        body = parse_request(CompletionRequest, await read_json(request))
+        body = parse_request(CompletionRequest, await read_json(request), "/v1/completions")
         return await create_completion(serving, body, request)
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    async def tokenize_route(request: Request):
+        return tokenize(serving, await read_json(request))
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize_route(request: Request):
+        return detokenize(serving, await read_json(request))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(request: Request):
-        body = parse_request(ChatCompletionRequest, await read_json(request))
+        body = parse_request(ChatCompletionRequest, await read_json(request), "/v1/chat/completions")
         return await create_chat_completion(serving, body, request)
+
+    @app.post("/v1/embeddings", dependencies=[Depends(check_api_key)])
+    async def embeddings(request: Request):
+        body = parse_request(EmbeddingRequest, await read_json(request), "/v1/embeddings")
+        return await create_embedding(serving, body, request)
+
+    @app.post("/v1/messages", dependencies=[Depends(check_api_key)])
+    async def messages(request: Request):
+        body = parse_anthropic_request(MessagesRequest, await read_json(request), "/v1/messages")
+        return await create_message(serving, body, request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(check_api_key)])
+    async def count_tokens(request: Request):
+        body = parse_anthropic_request(CountTokensRequest, await read_json(request), "/v1/messages/count_tokens")
+        return count_message_tokens(serving, body)
+
+    @app.post("/v1/responses", dependencies=[Depends(check_api_key)])
+    async def responses(request: Request):
+        body = parse_request(ResponsesRequest, await read_json(request), "/v1/responses")
+        return await create_response(serving, response_store, body, request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=[Depends(check_api_key)])
+    async def get_response(response_id: str):
+        return response_store.response(response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=[Depends(check_api_key)])
+    async def delete_response(response_id: str):
+        return response_store.delete(response_id)
 
     return app
 

@@ -12,7 +12,7 @@ from nanovllm.engine.async_engine import RequestStream
 from nanovllm.entrypoints.openai_server.serving import (Serving, collect_unless_disconnected, finite_logprob,
                                                         raise_if_failed, sampling_params, sse_response,
                                                         token_usage)
-from nanovllm.entrypoints.openai_server.streaming import StreamedChoices
+from nanovllm.entrypoints.openai_server.streaming import StreamedChoices, StreamedUsage
 from nanovllm.entrypoints.protocol import APIError, CompletionRequest
 from nanovllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -25,7 +25,7 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
         raise APIError(400, f"A request may hold at most {serving.max_prompts} prompts, got {len(body.prompts())} "
                             "(the server's --max-prompts-per-request); send the rest in other requests.",
                        param="prompt")
-    prompts = [serving.encode(p) for p in body.prompts()]
+    prompts = [serving.encode(p, body.add_special_tokens) for p in body.prompts()]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     stream = await serving.submit(response_id, prompts, params, body.constraint_field)
     echoes = [p.get("prompt") or serving.tokenizer.decode(p["prompt_token_ids"]) for p in prompts] \
@@ -68,15 +68,16 @@ class CompletionChoices:
 
     async def stream_chunks(self, stream: RequestStream, response_id: str) -> AsyncIterator[dict]:
         body = self.body
-        usage_extra = {"usage": None} if body.include_usage else {}
+        usage = StreamedUsage(body, 0)
         choices = StreamedChoices(with_logprobs=body.logprobs is not None)
         finals: list[RequestOutput] = []
 
         def chunk(choice: dict) -> dict:
-            return self.serving.chunk(response_id, "text_completion", [choice], **usage_extra)
+            return self.serving.chunk(response_id, "text_completion", [choice], **usage.on_chunk())
 
         async for output in stream:
             raise_if_failed(output)
+            usage.advance([output])
             p = _prompt_number(output.request_id)
             echo = self.echoes[p] if self.echoes is not None else ""
             for completion in output.outputs:

@@ -49,6 +49,9 @@ class Serving:
         self.structured_outputs = engine.engine.structured_outputs
         self.structured_outputs.prepare()
         config = engine.engine.config
+        self.vocab_size = engine.engine.vocab_size
+        # A pooling model (--runner pooling) serves /v1/embeddings only; a generating one all but it.
+        self.pooling = config.runner == "pooling"
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanovllm",
                            "root": model_name, "max_model_len": config.max_model_len}
 
@@ -57,18 +60,29 @@ class Serving:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def encode(self, prompt: str | list[int]) -> dict:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> dict:
         if isinstance(prompt, str):
-            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt,
+                                                                               add_special_tokens=add_special_tokens)}
         return {"prompt_token_ids": prompt}
 
     def apply_chat_template(self, body: ChatCompletionRequest, tools: ToolCalling) -> dict:
-        template = self.tokenizer.chat_template
+        """The request's messages (and tools, and its chat-template options) as a prompt."""
+        template = body.chat_template or self.tokenizer.chat_template
         if template is None:
-            raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
+            raise APIError(400, "This model has no chat template; use /v1/completions, or send chat_template.",
+                           param="messages")
         messages, template_kwargs = tools.template_inputs(body.messages, template)
+        # The template's own variables first: the named options below win over them.
+        options = {**(body.chat_template_kwargs or {}), **template_kwargs,
+                   "add_generation_prompt": body.add_generation_prompt,
+                   "continue_final_message": body.continue_final_message}
+        if body.chat_template is not None:
+            options["chat_template"] = body.chat_template
+        if body.documents is not None:
+            options["documents"] = body.documents
         try:
-            return chat_prompt(self.tokenizer, messages, **template_kwargs)
+            return chat_prompt(self.tokenizer, messages, add_special_tokens=body.add_special_tokens, **options)
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise APIError(400, f"The model's chat template rejected the messages: {e}", param="messages") from None
 
@@ -76,6 +90,9 @@ class Serving:
                      constraint_field: str = "structured_outputs") -> RequestStream:
         """Queue the prompts; a constraint is compiled first, off the engine thread, and one the
         grammar library rejects is a 400 naming `constraint_field`."""
+        if self.pooling:
+            raise APIError(400, f"The model `{self.model_name}` serves embeddings (it was started with --runner "
+                                "pooling), so it cannot generate; use /v1/embeddings.", param="model")
         if params.structured_outputs is not None:
             try:
                 await asyncio.to_thread(self.structured_outputs.compile, params.structured_outputs)

@@ -1,10 +1,11 @@
 """The bookkeeping both streamed endpoints share: per choice index, how much of its completion has
 been sent and whether its finish chunk has gone, so that each engine output turns into at most
-one delta chunk and one finish chunk for each choice. The chunks' shapes are the endpoints' own."""
+one delta chunk and one finish chunk for each choice; and the usage each chunk carries. The
+chunks' shapes are the endpoints' own."""
 
 import dataclasses
 
-from nanovllm.outputs import CompletionOutput, PositionLogprobs
+from nanovllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,3 +48,33 @@ class StreamedChoices:
         if finishes:
             self._finished.add(index)
         return ChoiceStep(opens, text, token_ids, logprobs, sent_text, sends_delta, finishes)
+
+
+class StreamedUsage:
+    """The `usage` of a streamed response's chunks: null on each (OpenAI's include_usage, whose
+    totals come in a last chunk of their own), or with vLLM's continuous_usage_stats the counts
+    so far on every chunk."""
+
+    def __init__(self, body, prompt_tokens: int):
+        """`body`: a request with include_usage / include_continuous_usage; `prompt_tokens`: the
+        prompt's length where it is known before the first output."""
+        self.body = body
+        self._prompts: dict[str, int] = {}  # by request id: a completions request has several
+        self._completions: dict[str, int] = {}
+        self._initial_prompt_tokens = prompt_tokens
+
+    def advance(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._prompts[output.request_id] = len(output.prompt_token_ids)
+            self._completions[output.request_id] = sum(len(c.token_ids) for c in output.outputs)
+
+    def on_chunk(self) -> dict:
+        """The chunk's extra fields."""
+        if not self.body.include_usage:
+            return {}
+        if not self.body.include_continuous_usage:
+            return {"usage": None}
+        prompt = sum(self._prompts.values()) if self._prompts else self._initial_prompt_tokens
+        completion = sum(self._completions.values())
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}

@@ -9,6 +9,12 @@ into a constraint, and the generated text into OpenAI's `tool_calls`, whole or a
 - a named function: the output is that function's arguments, held by its parameters' schema.
 - `none`: the tools are not shown to the model and nothing is parsed.
 
+A tool's `"parameters": {}` (or none) means a function without arguments: its arguments are an
+empty object. One rule for a reply cut by max_tokens while writing a call, streamed or not: the
+calls completed before the cut are returned as `tool_calls`, nothing of the partial one is
+returned (as a call or as content), and finish_reason stays "length". So a forced call's
+arguments go out when complete, not as they are written.
+
 A chat template that renders tools gets them (and past calls, their arguments as objects)
 through transformers' `apply_chat_template(tools=...)`; for one that does not, the parser's
 format describes them in a system message and writes past calls into the assistant's content.
@@ -48,7 +54,7 @@ class ToolCalling:
 
     def constraint(self) -> StructuredOutputsParams | None:
         """What `required` or a named function holds the output to; None for auto and none."""
-        schemas = {tool["function"]["name"]: tool["function"].get("parameters", NO_ARGUMENTS) for tool in self.tools}
+        schemas = {tool["function"]["name"]: tool["function"].get("parameters") or NO_ARGUMENTS for tool in self.tools}
         if self.function is not None:
             return StructuredOutputsParams(json=schemas[self.function])
         if self.choice != "required":
@@ -92,25 +98,31 @@ class ToolCalling:
             conversation.insert(0, {"role": "system", "content": prompt})
         return conversation, {}
 
-    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole generated text."""
+    def calls(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole generated text; `cut`: it ended at max_tokens, so a call
+        may be partial (the module's rule)."""
         if self.function is not None:
-            return None, [ToolCall(self.function, text)]
+            return None, [ToolCall(self.function, text)] if not cut or _is_object(text) else []
         if self.choice == "required":
             calls = _required_calls(text)
+            if calls is None and cut:
+                return None, _complete_items(text)
             return (None, calls) if calls is not None else (text or None, [])
         content, calls = self.parser.parse(text)
+        end = self.parser.content_end(text)
+        if cut and not calls and end < len(text):  # a call was begun: what precedes it is content
+            return text[:end].strip() or None, self.kept(self.parser.complete_calls(text))
         return content, self.kept(calls)
 
     def kept(self, calls: list[ToolCall]) -> list[ToolCall]:
         """The calls a reply may make: the first alone unless parallel_tool_calls."""
         return calls if self.parallel else calls[:1]
 
-    def message(self, text: str) -> dict:
-        """The assistant message of a whole choice."""
+    def message(self, text: str, cut: bool = False) -> dict:
+        """The assistant message of a whole choice; `cut`: it ended at max_tokens."""
         if not self.active:
             return {"role": "assistant", "content": text}
-        content, calls = self.calls(text)
+        content, calls = self.calls(text, cut)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [_openai_call(call) for call in calls]
@@ -130,6 +142,11 @@ def _arguments_object(arguments: str):
     return value if isinstance(value, dict) else arguments
 
 
+def _is_object(text: str) -> bool:
+    values = decode_json_sequence(text)
+    return values is not None and len(values) == 1 and isinstance(values[0], dict)
+
+
 def _required_call(item) -> ToolCall | None:
     """One item of the array `required` holds the output to: `{"name", "parameters"}`."""
     return call_from_json(item, ("parameters",)) if isinstance(item, dict) and "parameters" in item else None
@@ -144,30 +161,30 @@ def _required_calls(text: str) -> list[ToolCall] | None:
 
 
 class ToolCallStream:
-    """One streamed choice's text turned into content and tool-call deltas as it grows. A named
-    function streams its arguments as they come; other calls go out whole as each completes
-    (a required array's items, a hermes block), or at the end."""
+    """One streamed choice's text turned into content and tool-call deltas as it grows. Each call
+    goes out whole as it completes (a required array's items, a hermes block), or at the end (a
+    named function's arguments, formats without closing markers)."""
 
     def __init__(self, tools: ToolCalling):
         self.tools = tools
         self.sent_content = 0  # characters of the text sent as content
         self.sent_calls = 0
-        self.sent_arguments = 0  # of a named function's arguments
         self.ids: list[str] = []
 
-    def advance(self, text: str, finished: bool) -> tuple[str, list[dict]]:
-        """(content to send now, tool-call deltas to send now) for the choice's whole text so far."""
+    def advance(self, text: str, finished: bool, cut: bool = False) -> tuple[str, list[dict]]:
+        """(content to send now, tool-call deltas to send now) for the choice's whole text so far;
+        `cut`: it finished at max_tokens."""
         tools = self.tools
         if tools.function is not None:
-            return "", self._arguments(text)
+            return "", self._new_calls(tools.calls(text, cut)[1]) if finished else []
         if tools.choice == "required":
             return "", self._new_calls(_complete_items(text))
         parser = tools.parser
         if not finished:
             calls = tools.kept(parser.complete_calls(text))
             return self._content(text, parser.content_end(text)), self._new_calls(calls)
-        _, calls = tools.calls(text)
-        if not calls:
+        content, calls = tools.calls(text, cut)
+        if not calls and content == (text or None):  # all of it is content
             return self._content(text, len(text)), []
         return self._content(text, parser.content_end(text)), self._new_calls(calls)
 
@@ -175,15 +192,6 @@ class ToolCallStream:
         delta = text[self.sent_content:end] if end > self.sent_content else ""
         self.sent_content = max(self.sent_content, end)
         return delta
-
-    def _arguments(self, text: str) -> list[dict]:
-        delta = text[self.sent_arguments:]
-        self.sent_arguments = len(text)
-        if not self.ids:
-            self.ids.append(_call_id())
-            return [{"index": 0, "id": self.ids[0], "type": "function",
-                     "function": {"name": self.tools.function, "arguments": delta}}]
-        return [{"index": 0, "function": {"arguments": delta}}] if delta else []
 
     def _new_calls(self, calls: list[ToolCall]) -> list[dict]:
         deltas = []
