@@ -14,6 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.pooling_params import DEFAULT_POOLER_CONFIG, RUNNERS, PoolerConfig
+from nanovllm.speculative.config import SpeculativeConfig
 from nanovllm.startup import phase as startup_phase
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class EngineConfig:
     # vLLM's structured-outputs options: {"disable_additional_properties": bool}; True (the default
     # here, as vLLM's default backend behaves) forbids a JSON schema's undeclared properties.
     structured_outputs_config: dict | None = None
+    # vLLM's speculative_config (a dict or a SpeculativeConfig): drafts verified in one step each.
+    speculative_config: "SpeculativeConfig | dict | None" = None
     # CPU threads of the kernels and of torch; None: $NANOVLLM_NUM_THREADS, else usable_cpus().
     num_threads: int | None = None
     # None: a GGUF file runs its own block formats where the platform multiplies them; "dense":
@@ -101,6 +104,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         self.checkpoint.check_quantization(self.quantization)
         self._resolve_structured_outputs_config()
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None and self.runner == "pooling":
+            raise ValueError("speculative_config applies to a generating model; a pooling model generates nothing")
 
     def _resolve_model(self):
         from nanovllm.loader.checkpoint import open_checkpoint

@@ -49,13 +49,15 @@ def test_engine_flags_map_to_llm_kwargs():
             "--num-kvcache-blocks", "100", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.5",
             "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2", "--seed", "7", "--quantization", "q8_0",
             "--threads", "3", "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}',
-            "--structured-outputs-config", '{"disable_additional_properties": false}']
+            "--structured-outputs-config", '{"disable_additional_properties": false}',
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     assert _parse_engine_flags(argv) == dict(
         model="m.gguf", dtype="float32", device="cpu", max_model_len=512, max_num_seqs=8,
         max_num_batched_tokens=64, kvcache_block_size=32, num_kvcache_blocks=100, kv_cache_memory_gb=0.5,
         gpu_memory_utilization=0.5, enable_prefix_caching=False, enforce_eager=True, tensor_parallel_size=2,
         seed=7, quantization="q8_0", num_threads=3, runner="pooling", pooler_config={"pooling_type": "MEAN"},
         structured_outputs_config={"disable_additional_properties": False},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     )
     assert _parse_engine_flags(["--tensor-parallel-size", "4"])["tensor_parallel_size"] == 4
 

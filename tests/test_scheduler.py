@@ -30,7 +30,7 @@ def run_step(sched, token=lambda seq: 7):
     batch = sched.schedule()
     sampled = [token(seq) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
     advanced = sched.postprocess(batch, sampled)
-    return batch, [seq for seq in advanced if seq.is_finished]
+    return batch, [seq for seq, _ in advanced if seq.is_finished]
 
 
 def test_long_prompt_is_chunked_and_does_not_stall_decodes():
@@ -187,3 +187,46 @@ def test_every_published_hash_is_its_blocks_whole_chain():
                 assert h == parent
     for h, block_id in sched.block_manager.hash_to_block.items():
         assert sched.block_manager.blocks[block_id].hash == h
+
+
+def test_drafts_are_verified_and_only_accepted_tokens_keep_their_kv():
+    """A decoding sequence with drafts computes them in its step; the accepted ones and the token
+    after them are appended, KV counts only up to them, blocks only rejected drafts filled go back
+    to the pool, and the prefix cache hashes accepted tokens alone."""
+    sched = make_scheduler(budget=16)
+    seq = make_seq(6, max_tokens=20)
+    sched.add(seq)
+    run_step(sched)  # prompt: 6 tokens, then token 7 sampled
+    assert (seq.num_tokens, seq.num_computed_tokens, len(seq.block_table)) == (7, 6, 2)
+    seq.draft_token_ids = [8, 9, 10, 11, 12]
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [6] and batch.drafts == [[8, 9, 10, 11, 12]] and batch.samples(0)
+    assert len(seq.block_table) == 3  # 6 computed + 6 new = 12 slots
+    # The model agreed with two drafts (8, 9), then sampled 5 where 10 was drafted.
+    [(advanced, appended)] = sched.postprocess(batch, [8, 9, 5], [3])
+    assert advanced is seq and appended == 3
+    assert seq.token_ids[6:] == [7, 8, 9, 5] and seq.num_computed_tokens == 9
+    assert len(seq.block_table) == 3  # positions 0-9 (the next step writes token 5 at 9)
+    assert len(seq.block_hashes) == 2  # blocks [1..4], [5, 6, 7, 8]: computed and full
+    sched.block_manager.check_invariants([seq])
+    # All rejected, with the rejected drafts' block freed at once.
+    seq.draft_token_ids = [1, 2, 3, 4, 5, 6]
+    batch = sched.schedule()
+    assert len(seq.block_table) == 4
+    sched.postprocess(batch, [3], [1])
+    assert seq.num_computed_tokens == 10 and seq.num_tokens == 11 and len(seq.block_table) == 3
+    sched.block_manager.check_invariants([seq])
+
+
+def test_drafts_are_cut_to_the_budget_and_a_stop_ends_the_sequence_mid_draft():
+    sched = make_scheduler(budget=4)
+    seq = make_seq(3, max_tokens=5)
+    sched.add(seq)
+    run_step(sched)
+    seq.draft_token_ids = [8, 9, 10, 11, 12]
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [4] and batch.drafts == [[8, 9, 10]]
+    # Every draft accepted, one token after them: max_tokens (5) ends it at the fourth token emitted.
+    [(_, appended)] = sched.postprocess(batch, [8, 9, 10, 13], [4])
+    assert appended == 4 and seq.is_finished and seq.completion_token_ids == [7, 8, 9, 10, 13]
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks

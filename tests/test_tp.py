@@ -109,13 +109,17 @@ TP_CASES = {
     # which can turn a near-tie here.
     "qwen3-moe-q8_0-experts": family_config("qwen3-moe", None, moe_intermediate_size=64, num_experts_per_tok=1,
                                             quantization="q8_0"),
+    # Speculative decoding: the drafts travel in the step's batch, so every rank runs their rows.
+    "qwen3-ngram-drafts": ("Qwen3ForCausalLM", dict(speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64})),
 }
 
 
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tp2_matches_tp1_with_prefix_caching_and_preemption(case, tmp_path):
     arch, overrides = TP_CASES[case][0], dict(TP_CASES[case][1])
-    engine = dict(ENGINE, quantization=overrides.pop("quantization", None))
+    engine = dict(ENGINE, quantization=overrides.pop("quantization", None),
+                  speculative_config=overrides.pop("speculative_config", None))
     path = str(make_tiny_checkpoint(tmp_path, arch, **overrides))
     reference = LLM(path, **engine)
     with one_thread():
@@ -127,6 +131,8 @@ def test_tp2_matches_tp1_with_prefix_caching_and_preemption(case, tmp_path):
         metrics = llm.get_metrics()
         assert metrics == reference.get_metrics()  # the same schedule, step for step
         assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hit_tokens"] > 0
+        if engine["speculative_config"] is not None:
+            assert metrics["spec_decode_num_accepted_tokens"] > 0
         del llm
         gc.collect()  # dropping the LLM stops its workers and leaves the process group
     assert not any(p.is_alive() for p in workers) and not dist.is_initialized()

@@ -151,6 +151,13 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def free_tail(self, seq: Sequence):
+        """Release seq's blocks past those its tokens need: a step's rejected drafts had slots
+        there. Such blocks hold no hash (hashes cover computed tokens only)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def free_out_of_window(self, seq: Sequence):
         """With a sliding window on every layer: release seq's blocks that every query still to
         come (from position num_computed_tokens on) sees none of. Their hashes, published by then,

@@ -20,6 +20,7 @@ from nanovllm.engine.executor import make_executor
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sampler import SamplerOutput, TokenLogprobs
 from nanovllm.engine.sequence import Request
+from nanovllm.engine.speculation import Speculation
 from nanovllm.engine.stop import StopChecker
 from nanovllm.engine.structured_output import StructuredOutputs
 from nanovllm.layers.pooler import PoolerOutput
@@ -45,6 +46,9 @@ class LLMEngine:
         if config.device == "cpu":
             torch.set_num_threads(config.num_threads)  # the kernels' pool and torch's both follow it
         self.executor = make_executor(config)
+        # Speculative decoding's drafts and their bookkeeping, if the engine speculates.
+        self.speculation = (Speculation(config.speculative_config, config.max_model_len)
+                            if config.speculative_config is not None else None)
         self.block_manager = BlockManager(self.executor.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, self.executor.kv_sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -153,6 +157,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns the outputs of the requests that advanced."""
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         try:
             out = self.executor.execute(batch)
@@ -162,21 +168,33 @@ class LLMEngine:
             return self._fail_step(batch, error)
         if self.pooling:
             return self._pooled(batch, out)
-        num_decode = sum(1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                         if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        # A decode computes its last token and any drafts after it.
+        num_decode = sum(n for seq, n, drafts in zip(batch.seqs, batch.num_new_tokens, batch.drafts)
+                         if n == 1 + len(drafts) and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.decode_tokens_computed += num_decode
         self.prefill_tokens_computed += batch.num_tokens - num_decode
         self._record_prompt_logprobs(batch, out)
-        advanced = self.scheduler.postprocess(batch, out.token_ids)
-        self.generation_tokens += len(advanced)
-        for seq, logprobs in zip(advanced, out.logprobs):
-            if logprobs is not None:
-                seq.logprobs.append(self._position_logprobs(seq.token_ids[-1], logprobs))
-                seq.cumulative_logprob += logprobs.chosen_logprob
-        requests = {seq.request_id: self.requests[seq.request_id] for seq in advanced}
+        drafted = [len(batch.drafts[i]) for i in range(len(batch)) if batch.samples(i)]
+        advanced = self.scheduler.postprocess(batch, out.token_ids, out.num_tokens)
+        emitted = out.num_tokens or [1] * len(advanced)
+        first = 0  # of the sequence's tokens in out.token_ids / out.logprobs
+        for (seq, appended), num_emitted, num_drafted in zip(advanced, emitted, drafted):
+            self.generation_tokens += appended
+            for j, logprobs in enumerate(out.logprobs[first:first + appended]):
+                if logprobs is not None:
+                    token = seq.token_ids[seq.num_tokens - appended + j]
+                    seq.logprobs.append(self._position_logprobs(token, logprobs))
+                    seq.cumulative_logprob += logprobs.chosen_logprob
+            first += num_emitted
+            if self.speculation is not None:
+                self.speculation.record(seq, num_drafted, num_emitted)
+        requests = {seq.request_id: self.requests[seq.request_id] for seq, _ in advanced}
         outputs = [self._output(request) for request in requests.values()]
         for request in requests.values():
             if request.finished:
+                if self.speculation is not None:
+                    for seq in request.seqs:
+                        self.speculation.finished(seq)
                 self._forget(request)
         return outputs
 
@@ -257,6 +275,7 @@ class LLMEngine:
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            **(self.speculation.metrics() if self.speculation is not None else {}),
         }
 
 

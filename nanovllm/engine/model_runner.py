@@ -159,6 +159,8 @@ class ModelRunner:
         input_ids = []
         for i, (seq, start, end) in enumerate(zip(batch.seqs, starts.tolist(), context_lens.tolist())):
             input_ids += seq.token_ids[start:end]
+            if end > seq.num_tokens:  # drafted tokens follow the sequence's own
+                input_ids += batch.drafts[i][:end - seq.num_tokens]
             block_tables[i, :len(seq.block_table)] = seq.block_table
         seq_of_token = np.repeat(np.arange(len(batch)), num_new)
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, num_new)
@@ -217,7 +219,7 @@ class ModelRunner:
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> SamplerOutput:
         """Logits only for the rows that need them: the last row of each sampling sequence,
         and the prompt rows of a sequence that asked for prompt logprobs. Then sample."""
-        sample_rows, sample_seqs, prompt_spans, end = [], [], [], 0
+        sample_rows, sample_seqs, row_drafts, prompt_spans, end = [], [], [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = end, end + n
             if seq.wants_prompt_logprobs:
@@ -227,8 +229,12 @@ class ModelRunner:
                 if count > 0:
                     prompt_spans.append((i, seq, first, start, count))
             if batch.samples(i):
-                sample_rows.append(end - 1)
-                sample_seqs.append(seq)
+                # A row per drafted token (its drafts before it in the context), then the row after them.
+                drafts = batch.drafts[i]
+                for j in range(len(drafts) + 1):
+                    sample_rows.append(end - 1 - len(drafts) + j)
+                    sample_seqs.append(seq)
+                    row_drafts.append(drafts[:j])
         # Before anything waits on the device: on a GPU the grammars' masks are filled on the
         # host while the forward pass still runs there.
         allowed = grammar_bitmask([seq.grammar for seq in sample_seqs], self.config.hf_config.vocab_size)
@@ -239,11 +245,19 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[to_device(sample_rows, torch.long, hidden.device)])
             if logits is not None:  # None on a non-zero tensor-parallel rank: rank 0 samples
                 sampling = SamplingBatch.build(
-                    [seq.sampling_params for seq in sample_seqs], [seq.token_ids for seq in sample_seqs],
+                    [seq.sampling_params for seq in sample_seqs],
+                    [seq.token_ids + drafts for seq, drafts in zip(sample_seqs, row_drafts)],
                     [seq.num_prompt_tokens for seq in sample_seqs],
-                    [seq.stop_checker.banned_token_ids(seq.num_completion_tokens) for seq in sample_seqs],
+                    [seq.stop_checker.banned_token_ids(seq.num_completion_tokens + len(drafts))
+                     for seq, drafts in zip(sample_seqs, row_drafts)],
                     [seq.generator for seq in sample_seqs], logits.shape[1], logits.device, allowed)
-                out = self.sampler(logits, sampling, self.generator)
+                drafted = [(seq, batch.drafts[i]) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+                if any(drafts for _, drafts in drafted):
+                    streams = {seq.seq_id: seq.generator.get_state() for seq, drafts in drafted
+                               if drafts and seq.generator is not None}
+                    out = _verified(self.sampler(logits, sampling, self.generator), drafted, streams)
+                else:
+                    out = self.sampler(logits, sampling, self.generator)
         out.prompt_logprobs = prompt_logprobs
         return out
 
@@ -266,3 +280,29 @@ class ModelRunner:
             if entries:
                 result.append(PromptLogprobs(i, first, entries))
         return result
+
+
+def _verified(rows: SamplerOutput, drafted: list[tuple], streams: dict[int, torch.Tensor]) -> SamplerOutput:
+    """The tokens each sampling sequence emits, from its rows' samples: its drafts while each
+    equals the token sampled before it, then the first sample that differs (or, all accepted,
+    the last row's); engine/speculation.py says why that keeps the target's distribution.
+    `drafted`: (sequence, drafts) of each sampling sequence, in batch order; `streams`: the
+    random streams of the seeded ones with drafts, as they were before sampling."""
+    tokens, logprobs, counts, row = [], [], [], 0
+    for seq, drafts in drafted:
+        sampled = rows.token_ids[row:row + len(drafts) + 1]
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        tokens += sampled[:accepted + 1]
+        logprobs += rows.logprobs[row:row + accepted + 1]
+        counts.append(accepted + 1)
+        row += len(drafts) + 1
+        before = streams.get(seq.seq_id)
+        if before is not None and not torch.equal(before, seq.generator.get_state()):
+            # The sampler drew a number for every row; the stream moves on by the emitted tokens'
+            # draws only, as it does without speculation.
+            seq.generator.set_state(before)
+            for _ in range(accepted + 1):
+                torch.rand(1, generator=seq.generator)
+    return SamplerOutput(tokens, logprobs, rows.prompt_logprobs, counts)

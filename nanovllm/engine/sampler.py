@@ -136,9 +136,10 @@ class PromptLogprobs:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # one per sampling row
-    logprobs: list[TokenLogprobs | None]  # per row; None where the row asked for none
+    token_ids: list[int]  # one per sampling row (from the model runner: per sampling sequence, its tokens)
+    logprobs: list[TokenLogprobs | None]  # per token; None where the row asked for none
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    num_tokens: list[int] | None = None  # tokens per sampling sequence, where drafts were verified
 
 
 def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:

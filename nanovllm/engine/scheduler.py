@@ -3,13 +3,16 @@
 One token budget (`max_num_batched_tokens`) per step is shared by running sequences
 first (a decode is one token; an unfinished prompt continues with a chunk) and then by
 waiting prompts, chunked to fit, so a long prompt never stalls running sequences. When
-blocks run out, the newest running sequence is preempted by recompute. Whether a sequence
+blocks run out, the newest running sequence is preempted by recompute. A decoding sequence
+with drafted tokens (speculative decoding) computes them too, as many as the budget leaves
+room for; after the step it keeps the accepted ones' KV and gives back blocks that only
+rejected drafts filled. Whether a sequence
 ends is its stop checker's call (a pooling model's ends with its prompt); the scheduler frees
 what ended. Pure Python: no tensors here.
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import FREED, BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -21,6 +24,11 @@ class ScheduledBatch:
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    drafts: list[list[int]] = field(default_factory=list)  # per sequence: the drafted tokens it verifies
+
+    def __post_init__(self):
+        if not self.drafts:  # a batch made without drafts: none for any sequence
+            self.drafts = [[] for _ in self.seqs]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -32,7 +40,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, so a token is sampled for it."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens + len(self.drafts[i])
 
 
 class Scheduler:
@@ -58,7 +66,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining + len(seq.draft_token_ids), budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -68,6 +77,7 @@ class Scheduler:
             else:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(num_new)
+                batch.drafts.append(seq.draft_token_ids[:max(0, num_new - remaining)])
                 budget -= num_new
                 i += 1
         # Admitting new work right after a preemption would only thrash the pool.
@@ -106,6 +116,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
+            batch.drafts.append([])
             budget -= num_new
 
     def _preempt(self, seq: Sequence):
@@ -114,27 +125,47 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance the batch after its step ran; `sampled` holds one token per sampling sequence.
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int],
+                    num_sampled: list[int] | None = None) -> list[tuple[Sequence, int]]:
+        """Advance the batch after its step ran; `sampled` holds the tokens of the sampling
+        sequences in batch order, `num_sampled` how many each has (None: one each; more where
+        drafts were accepted: the accepted drafts, then the token sampled after them).
 
-        Returns the sequences that received a token (finished ones have status FINISHED)."""
+        Returns (sequence, tokens appended) for the sequences that received tokens (fewer than
+        sampled where a stop came first; finished ones have status FINISHED)."""
         advanced = []
         tokens = iter(sampled)
+        counts = iter(num_sampled) if num_sampled is not None else None
         for i, seq in enumerate(batch.seqs):
-            samples = batch.samples(i)
-            self._advance(seq, batch.num_new_tokens[i])
-            if not samples:
+            if not batch.samples(i):
+                self._advance(seq, batch.num_new_tokens[i])
                 continue
-            token = next(tokens)
-            seq.token_ids.append(token)
-            advanced.append(seq)
-            if seq.grammar is not None:
-                seq.grammar.advance(token)
-            stop = seq.stop_checker.check(token, seq.num_completion_tokens, seq.num_tokens,
-                                          seq.grammar is not None and seq.grammar.finished)
-            if stop is not None:
-                self.finish(seq, *stop)
+            emitted = [next(tokens) for _ in range(next(counts) if counts is not None else 1)]
+            # Token j was sampled at the row of the token before it: its KV is written, so each is
+            # counted as computed just before the token after it is appended (and hashed with it).
+            num_new = batch.num_new_tokens[i] - len(batch.drafts[i])
+            appended = 0
+            for token in emitted:
+                self._advance(seq, num_new)
+                num_new = 1
+                appended += 1
+                if self._append(seq, token):
+                    break
+            advanced.append((seq, appended))
+            if not seq.is_finished and batch.drafts[i]:
+                self.block_manager.free_tail(seq)
         return advanced
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append a sampled token; True if it ended the sequence."""
+        seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
+        stop = seq.stop_checker.check(token, seq.num_completion_tokens, seq.num_tokens,
+                                      seq.grammar is not None and seq.grammar.finished)
+        if stop is not None:
+            self.finish(seq, *stop)
+        return stop is not None
 
     def postprocess_pooled(self, batch: ScheduledBatch) -> list[Sequence]:
         """Advance a pooling model's batch after its step ran: a sequence whose prompt ended was

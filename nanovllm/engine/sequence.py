@@ -60,6 +60,11 @@ class Sequence:
         if sampling_params is not None and sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(hash((sampling_params.seed, index)) & (2**63 - 1))
         self.logprobs: list[PositionLogprobs] = []
+        # Speculative decoding (rank 0): the tokens drafted for the next step; after drafts that
+        # all failed, how many in a row did, and how many steps still skip drafting.
+        self.draft_token_ids: list[int] = []
+        self.draft_misses = 0
+        self.draft_pause = 0
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs | None] = [None]
 

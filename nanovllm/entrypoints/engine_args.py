@@ -46,6 +46,11 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
           help='structured-outputs options, as vLLM\'s: \'{"disable_additional_properties": false}\' lets a JSON '
                "schema's output hold properties the schema does not declare (default: forbidden, unless the "
                "schema's additionalProperties allows them)")),
+    (("--speculative-config",), "speculative_config",
+     dict(type=lambda text: _json_object("--speculative-config", text), metavar="JSON",
+          help='speculative decoding, as vLLM names it: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+               "(prompt_lookup_min/max) or '{\"method\": \"suffix\"}' (suffix_decoding_*); "
+               "disable_by_batch_size: no drafts when more sequences decode (default: off)")),
     (("--threads",), "num_threads", dict(type=int, metavar="N",
                                          help="CPU threads (default: $NANOVLLM_NUM_THREADS, else the CPUs this "
                                               "process may use: its affinity and cgroup quota)")),

@@ -97,6 +97,19 @@ class _EngineStateCollector:
                       m["prefix_cache_hit_tokens"])
         yield counter("vllm:prefix_cache_queries", "Prompt tokens received, each a prefix-cache query.",
                       m["prompt_tokens"])
+        if "spec_decode_num_drafts" in m:  # an engine that speculates
+            yield counter("vllm:spec_decode_num_drafts", "Drafts verified (a sequence's drafted tokens in a step).",
+                          m["spec_decode_num_drafts"])
+            yield counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.",
+                          m["spec_decode_num_draft_tokens"])
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+                          m["spec_decode_num_accepted_tokens"])
+            per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                               "Drafted tokens accepted, by their place in the draft.",
+                                               labels=["model_name", "position"])
+            for position, accepted in enumerate(m["spec_decode_num_accepted_tokens_per_pos"]):
+                per_position.add_metric([self.model_name, str(position)], accepted)
+            yield per_position
         # Hits count again when a preempted sequence is readmitted; the rate is capped at 1.
         yield gauge("nanovllm:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start.",
                     min(1.0, m["prefix_cache_hit_tokens"] / max(m["prompt_tokens"], 1)))

@@ -1,0 +1,204 @@
+"""Speculative decoding: the n-gram and suffix proposers on token lists, the config's checks, and
+the engine with and without speculation on a tiny random checkpoint (fp32): the same greedy
+tokens and logprobs, the same seeded text, the target's distribution unseeded, stops and limits
+kept, no block leaked, with chunked prompts, prefix caching and preemption."""
+
+from collections import Counter
+
+import pytest
+
+from conftest import make_tiny_checkpoint, requires_default_model
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.speculative.config import SpeculativeConfig
+from nanovllm.speculative.ngram import NgramProposer
+from nanovllm.speculative.suffix import SuffixProposer
+
+
+def test_ngram_drafts_what_followed_the_longest_earlier_match():
+    proposer = NgramProposer(min_n=2, max_n=4, num_tokens=3)
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4, 5, 9]
+    # The longest n wins: [7, 2, 3] matched earlier by its last 3 tokens, not just [2, 3].
+    assert proposer.propose([2, 3, 8, 8, 7, 2, 3, 6, 6, 0, 7, 2, 3]) == [6, 6, 0]
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 7, 8]) == []  # [9, 7, 8] / [7, 8] never occurred before
+    assert proposer.propose([1, 2, 3, 4, 1, 2], max_tokens=1) == [3]
+    assert proposer.propose([1, 2]) == []  # too short to hold a match and its continuation
+
+
+def test_ngram_prefers_an_occurrence_with_a_whole_draft():
+    proposer = NgramProposer(min_n=1, max_n=2, num_tokens=3)
+    # The latest [5, 5] is followed by one token only: the one before it gives a whole draft.
+    assert proposer.propose([5, 5, 5, 5, 5]) == [5, 5, 5]
+
+
+def test_suffix_drafts_the_most_frequent_continuation_of_the_longest_match():
+    proposer = SuffixProposer(num_tokens=8, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1,
+                              max_cached_requests=10)
+    assert proposer.propose([1, 2, 3, 4, 5, 6, 7, 50, 1, 2, 3]) == [4, 5, 6]  # as long as the 3-token match
+    # After [1, 2]: 3 twice, 9 once -> 3; then [1, 2, 3] continues with 4 once, 5 once.
+    frequent = SuffixProposer(num_tokens=1, max_depth=24, max_spec_factor=4.0, min_token_prob=0.1,
+                              max_cached_requests=10)
+    assert frequent.propose([1, 2, 3, 0, 1, 2, 9, 0, 1, 2, 3, 7, 1, 2]) == [3]
+
+
+def test_suffix_stops_where_the_continuation_becomes_unlikely():
+    proposer = SuffixProposer(num_tokens=8, max_depth=24, max_spec_factor=8.0, min_token_prob=0.5,
+                              max_cached_requests=10)
+    # [4] was followed by 5, 6, 7 and 8 once each: no continuation holds half the mass.
+    assert proposer.propose([4, 5, 1, 4, 6, 1, 4, 7, 1, 4, 8, 1, 4]) == []
+    assert proposer.propose([4, 5, 1, 4, 5, 1, 4, 5, 2, 4]) == [5, 1, 4, 5]
+
+
+def test_suffix_searches_the_cache_of_finished_outputs():
+    proposer = SuffixProposer(num_tokens=8, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1,
+                              max_cached_requests=2)
+    proposer.finish([20, 21, 22, 23, 24, 25])
+    assert proposer.propose([99, 20, 21, 22]) == [23, 24, 25]
+    proposer.finish([30, 31])
+    proposer.finish([40, 41])  # the first output leaves the cache
+    assert proposer.propose([99, 20, 21, 22]) == []
+    # A match never runs across two cached outputs.
+    assert proposer.propose([31, 40]) == [41]
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"method": "beam"}, "method must be one of"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 64]"),
+    ({"method": "suffix", "num_speculative_tokens": 65}, "[1, 64]"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "unknown fields ['lookahead']"),
+    ({"model": "path/to/draft", "num_speculative_tokens": 4}, "draft model is not supported yet"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "suffix_decoding_min_token_prob"),
+])
+def test_bad_configs_say_what_is_allowed(given, message):
+    with pytest.raises(ValueError) as error:
+        SpeculativeConfig.of(given)
+    assert message in str(error.value)
+
+
+def test_config_defaults():
+    ngram = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4})
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (2, 5)
+    assert isinstance(ngram.proposer(), NgramProposer)
+    suffix = SpeculativeConfig.of({"method": "suffix"})
+    assert suffix.num_speculative_tokens == 24 and isinstance(suffix.proposer(), SuffixProposer)
+
+
+# ----- the engine, with and without speculation -----
+
+SPEC_METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                "suffix": {"method": "suffix", "num_speculative_tokens": 6}}
+# A repeating prompt gives the n-gram and suffix proposers matches from the first step; a tiny
+# random model's greedy output soon loops too, which the drafts then follow.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [40, 41, 42, 43] * 6 + [44], list(range(100, 130)),
+           [7, 3] * 10 + [200, 201, 202]]
+
+
+@pytest.fixture(scope="module")
+def spec_checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("spec-ckpt"))
+
+
+def _run(checkpoint, params, speculative_config=None, prompts=PROMPTS, **engine) -> tuple[list, LLM]:
+    llm = LLM(str(checkpoint), dtype="float32", speculative_config=speculative_config,
+              **{"num_kvcache_blocks": 64, **engine})
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    manager = llm.llm_engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks  # nothing leaked, drafts' blocks included
+    manager.check_invariants([])
+    return [(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outputs for c in o.outputs], llm
+
+
+def _spec_metrics(llm: LLM) -> tuple[int, int]:
+    m = llm.get_metrics()
+    return m["spec_decode_num_draft_tokens"], m["spec_decode_num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+@pytest.mark.parametrize("engine", [
+    {},  # plain
+    {"max_num_batched_tokens": 9, "enable_prefix_caching": True},  # chunked prompts, drafts cut by the budget
+    {"num_kvcache_blocks": 24, "kvcache_block_size": 4, "max_model_len": 80},  # preemption by recompute
+], ids=["plain", "chunked", "preempted"])
+def test_greedy_tokens_are_the_same_with_speculation(spec_checkpoint, method, engine):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    expected, _ = _run(spec_checkpoint, params, **engine)
+    got, llm = _run(spec_checkpoint, params, SPEC_METHODS[method], **engine)
+    assert [g[:3] for g in got] == [e[:3] for e in expected]
+    for (*_, got_logprobs), (*_, expected_logprobs) in zip(got, expected):
+        for g, e in zip(got_logprobs, expected_logprobs):
+            assert g.keys() == e.keys()
+            assert all(g[t].logprob == pytest.approx(e[t].logprob, abs=1e-4) for t in g)
+    drafted, accepted = _spec_metrics(llm)
+    assert drafted > 0 and accepted > 0  # speculation took part
+    if engine.get("num_kvcache_blocks") == 24:
+        assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def test_stop_strings_max_tokens_and_min_tokens_hold(spec_checkpoint):
+    plain, llm = _run(spec_checkpoint, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    tokenizer = llm.get_tokenizer()
+    stop = tokenizer.decode(plain[0][0][20:22])  # text the first output writes mid-way
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]),
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, min_tokens=25),
+              SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[plain[3][0][9]])]
+    expected, _ = _run(spec_checkpoint, params)
+    got, _ = _run(spec_checkpoint, params, SPEC_METHODS["ngram"])
+    assert [g[:3] for g in got] == [e[:3] for e in expected]
+    assert got[0][2] == "stop" and len(got[1][0]) == 7
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_a_seeded_request_writes_the_same_text_with_and_without_speculation(spec_checkpoint, method):
+    """Each emitted token takes the draw it would take without speculation, so a seed gives
+    the same text: the output distribution is the target's, draw for draw."""
+    params = [SamplingParams(temperature=0.5, top_k=4, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True,
+                             repetition_penalty=1.05) for seed in range(len(PROMPTS))]
+    expected, _ = _run(spec_checkpoint, params)
+    got, llm = _run(spec_checkpoint, params, SPEC_METHODS[method])
+    again, _ = _run(spec_checkpoint, params, SPEC_METHODS[method])
+    assert [g[:3] for g in got] == [e[:3] for e in expected] == [a[:3] for a in again]
+    assert _spec_metrics(llm)[1] > 0
+
+
+@requires_default_model
+def test_unseeded_sampling_keeps_the_targets_distribution():
+    """Without a seed, draws come from the engine's stream in another order: on a real model
+    copying a list (drafts often accepted), the frequencies of the next tokens over many
+    requests match those without speculation within sampling noise."""
+    messages = [{"role": "user", "content": "Repeat this list: apples, pears, plums, figs, dates, limes, kiwis."},
+                {"role": "assistant", "content": "apples, pears,"}]
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    samples, runs = 400, []
+    for config in (None, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": samples}):
+        llm = LLM(max_model_len=256, speculative_config=config, seed=3)
+        tokenizer = llm.get_tokenizer()
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        outs = llm.generate([prompt] * samples, params, use_tqdm=False)
+        runs.append((Counter(tuple(o.outputs[0].token_ids) for o in outs), llm.get_metrics()))
+    (plain, _), (spec, metrics) = runs
+    assert metrics["spec_decode_num_accepted_tokens"] > samples  # speculation took part throughout
+    for outcome, count in plain.most_common(3):
+        f_plain, f_spec = count / samples, spec[outcome] / samples
+        sigma = (2 * f_plain * (1 - f_plain) / samples) ** 0.5
+        assert abs(f_spec - f_plain) < 4 * sigma + 1e-9, (outcome, f_plain, f_spec)
+
+
+def test_constrained_requests_run_beside_speculating_ones(spec_checkpoint):
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 3 + \
+        [SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=choice)]
+    expected, _ = _run(spec_checkpoint, params)
+    got, _ = _run(spec_checkpoint, params, SPEC_METHODS["suffix"])
+    assert [g[:3] for g in got] == [e[:3] for e in expected]
+    assert got[3][1] in ("yes", "no")
+
+
+def test_many_decoding_sequences_do_not_draft(spec_checkpoint):
+    config = {**SPEC_METHODS["ngram"], "disable_by_batch_size": 2}
+    _, llm = _run(spec_checkpoint, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), config)
+    assert _spec_metrics(llm) == (0, 0)  # four sequences decode together throughout
+    _, llm = _run(spec_checkpoint, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), config,
+                  prompts=PROMPTS[:2])
+    assert _spec_metrics(llm)[0] > 0
