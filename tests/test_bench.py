@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from conftest import requires_default_model
 from nanovllm.entrypoints import bench, bench_llama_cpp, bench_twins
 from nanovllm.loader.gguf import gguf_block_types, iter_gguf_weights, load_gguf_config
 
@@ -394,3 +395,22 @@ def test_w2_takes_the_engines_repeats_in_turn(monkeypatch):
     assert timed == [("a", 1), ("a", 9), ("b", 1), ("b", 9)] * bench.W2_REPEATS
     assert latencies["a"].ttft_s == pytest.approx(0.5) and latencies["a"].decode_tok_s == pytest.approx(100)
     assert latencies["b"].ttft_s == pytest.approx(0.25) and latencies["b"].decode_tok_s == pytest.approx(50)
+
+
+@requires_default_model
+def test_the_copy_workload_runs_with_and_without_speculation(small_workloads, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "COPY_OUTPUT_LEN", 12)
+    monkeypatch.setattr(bench, "COPY_REPEATS", 1)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--workload", "copy", "--speculative-config", '{"method": "ngram", '
+                              '"num_speculative_tokens": 3}', "--max-model-len", "1024"])
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    copy_table, w2_table = out.split("COPY: 5 copy-heavy chats, one at a time, 12 greedy output tokens")[1] \
+        .split("W2 latency")
+    rows = [line.split()[0] for line in copy_table.splitlines()[2:] if line.strip()]
+    assert rows[:3] == ["nano-vllm+ngram", "nano-vllm", "vs"]
+    accepted, drafted = map(int, re.search(r"(\d+) of (\d+) drafted tokens accepted", copy_table).groups())
+    assert 0 < accepted <= drafted
+    assert [line.split()[0] for line in w2_table.splitlines()[2:4]] == ["nano-vllm+ngram", "nano-vllm"]

@@ -202,3 +202,24 @@ def test_many_decoding_sequences_do_not_draft(spec_checkpoint):
     _, llm = _run(spec_checkpoint, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), config,
                   prompts=PROMPTS[:2])
     assert _spec_metrics(llm)[0] > 0
+
+
+def test_metrics_are_exported_under_vllms_names(spec_checkpoint):
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanovllm.entrypoints.metrics import ServerMetrics
+    _, llm = _run(spec_checkpoint, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                  SPEC_METHODS["ngram"])
+    snapshot = llm.get_metrics()
+    metrics = ServerMetrics("tiny")
+    metrics.watch(SimpleNamespace(metrics=snapshot))
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == snapshot["spec_decode_num_drafts"] > 0
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == snapshot["spec_decode_num_draft_tokens"]
+    accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
+    assert accepted == snapshot["spec_decode_num_accepted_tokens"] > 0
+    per_position = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)

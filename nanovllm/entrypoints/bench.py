@@ -18,6 +18,16 @@ and repeats reuse prompts, and a cache hit would time the cache, not the model. 
 runs W1 the way its users batch: one left-padded `generate` over all concurrent requests,
 running to the longest `max_tokens`; only the requested tokens count as output.
 
+COPY (speculative decoding): the copy-heavy chats shipped with the package (copy_workload.json:
+rewrite a paragraph with one change, copy a record into JSON, rename a variable in code, quote a
+notice, extend a list), one at a time, 128 greedy output tokens each (EOS ignored), by nano-vllm
+with `--speculative-config` (default: suffix decoding) and without, and with `--compare
+llama.cpp`, by llama.cpp without and with its own prompt-lookup speculation (drafts as long as an
+n-gram config's, else llama-cpp-python's default of 10 tokens); each
+engine's decode rate (each chat's tokens after the first over a full request's time less a
+one-token request's, summed over the chats), the drafts' acceptance, and W2 with speculation on
+and off (random ids: what speculation costs where it cannot help).
+
 `--twin SHAPE:TYPE` runs a random-weight twin of a real model (bench_twins) instead of --model.
 The machine line gives the read bandwidth (a sum over a 1 GiB buffer on the engine's threads);
 with a GGUF file, W2 gives each decode rate's share of the bound it sets: a decode step reads
@@ -30,6 +40,7 @@ neighbour (bench_llama_cpp); the bandwidth is measured before it starts.
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import platform
 import random
@@ -37,6 +48,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 
 import torch
 
@@ -214,23 +226,64 @@ def run_throughput(runner, workload: Workload) -> Throughput:
 
 def run_latencies(runners: list, input_len: int = W2_INPUT_LEN, output_len: int = W2_OUTPUT_LEN) -> dict[str, Latency]:
     """Each engine's W2. TTFT: a one-token request. Decode rate: the output_len - 1 tokens after the
-    first, from the time of a full request less the TTFT. Medians of W2_REPEATS after one warm-up,
-    the engines' repeats taken in turn, so that a slow spell of a shared machine falls on all of them
-    rather than on whichever engine was running through it."""
+    first, from the time of a full request less the TTFT. Medians of W2_REPEATS after one warm-up
+    (_first_and_full)."""
     prompt = latency_prompt(input_len)
     for runner in runners:
         runner.generate([prompt], [1], 0.0)
+    return {name: Latency(ttft, (output_len - 1) / max(whole - ttft, 1e-9), input_len)
+            for name, (ttft, whole) in _first_and_full(runners, prompt, output_len, W2_REPEATS).items()}
+
+
+COPY_OUTPUT_LEN = 128
+COPY_REPEATS = 3
+DEFAULT_SPECULATION = {"method": "suffix"}
+# llama-cpp-python's own default draft of a prompt lookup, for a method whose drafts vary in length.
+LOOKUP_DEFAULT_TOKENS = 10
+
+
+def copy_prompts(tokenizer) -> list[list[int]]:
+    """The copy-heavy chats shipped with the package, through the model's chat template."""
+    from nanovllm.llm import chat_prompt
+    chats = json.loads(resources.files("nanovllm.entrypoints").joinpath("copy_workload.json").read_text())
+    return [chat_prompt(tokenizer, chat["messages"])["prompt_token_ids"] for chat in chats]
+
+
+def run_copy(runners: list, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    """Each engine's single-stream decode rate over the chats: per chat, the output_len - 1 tokens
+    after the first over a full request's time less a one-token request's (medians of
+    COPY_REPEATS, the engines taking turns), summed over the chats."""
+    for runner in runners:  # warm-up
+        runner.generate(prompts[:1], [4], 0.0)
+    decode_s = {runner.name: 0.0 for runner in runners}
+    for prompt in prompts:
+        for name, (ttft, whole) in _first_and_full(runners, prompt, output_len, COPY_REPEATS).items():
+            decode_s[name] += max(whole - ttft, 1e-9)
+    return {name: len(prompts) * (output_len - 1) / seconds for name, seconds in decode_s.items()}
+
+
+def _first_and_full(runners: list, prompt: list[int], output_len: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per engine, the median times of a one-token greedy request and of an output_len one, the
+    engines' repeats taken in turn, so that a slow spell of a shared machine falls on all of them
+    rather than on whichever engine was running through it."""
     first = {runner.name: [] for runner in runners}
     full = {runner.name: [] for runner in runners}
-    for _ in range(W2_REPEATS):
+    for _ in range(repeats):
         for runner in runners:
             first[runner.name].append(_timed(lambda: runner.generate([prompt], [1], 0.0)))
             full[runner.name].append(_timed(lambda: runner.generate([prompt], [output_len], 0.0)))
-    latencies = {}
-    for name in first:
-        ttft, whole = statistics.median(first[name]), statistics.median(full[name])
-        latencies[name] = Latency(ttft, (output_len - 1) / max(whole - ttft, 1e-9), input_len)
-    return latencies
+    return {name: (statistics.median(first[name]), statistics.median(full[name])) for name in first}
+
+
+def print_copy(rates: dict[str, float], num_chats: int, acceptance: str, output_len: int) -> None:
+    print(f"\nCOPY: {num_chats} copy-heavy chats, one at a time, {output_len} greedy output tokens each "
+          f"(median of {COPY_REPEATS})")
+    rows = {name: [f"{rate:.1f}"] for name, rate in rates.items()}
+    (_, nano), *others = rates.items()
+    for name, other in others:
+        rows[f"vs {name}"] = [_ratio(nano, other)]
+    _print_table([("decode tok/s", 15)], rows)
+    print(f"  {acceptance}")
 
 
 def machine_summary() -> str:
@@ -285,9 +338,10 @@ def _ratio(a: float, b: float) -> str:
 
 def _print_table(columns: list[tuple[str, int]], rows: dict[str, list[str]]) -> None:
     """An engine column, then right-aligned `columns` (name, width); one line per row."""
-    print(f"  {'engine':<16}" + "".join(f"{name:>{width}}" for name, width in columns))
+    label_width = max([16, *(len(label) + 1 for label in rows)])
+    print(f"  {'engine':<{label_width}}" + "".join(f"{name:>{width}}" for name, width in columns))
     for label, cells in rows.items():
-        print(f"  {label:<16}" + "".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns)))
+        print(f"  {label:<{label_width}}" + "".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, columns)))
 
 
 def _print_throughputs(results: dict[str, Throughput], ratios: dict[str, tuple[Throughput, Throughput]]) -> None:
@@ -359,8 +413,10 @@ def plot_concurrency(runners: list, workload: Workload, path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="all", choices=["all", "w1", "w1-json", "w2"],
-                        help="what to run (default: all; w1-json runs W1 plain and under a JSON schema)")
+    parser.add_argument("--workload", default="all", choices=["all", "w1", "w1-json", "w2", "copy"],
+                        help="what to run (default: all, which is W1, W1-JSON and W2; w1-json runs W1 plain and "
+                             "under a JSON schema; copy: speculative decoding on copy-heavy chats, and W2 with "
+                             "and without it)")
     parser.add_argument("--compare", nargs="+", default=[], choices=["transformers", "llama.cpp", "ik_llama.cpp"],
                         help="also run the workloads with these engines (llama.cpp and ik_llama.cpp: a GGUF model "
                              "only, through llama-cpp-python and ik-llama-cpp-python)")
@@ -392,6 +448,8 @@ def main(args: argparse.Namespace) -> int:
         args.model = build_twin(args.twin)
     if args.contention:
         require_llama_cpp("--contention")  # before minutes of start-up, not after
+    if args.workload == "copy":
+        return main_copy(args)
     nano = NanoRunner(engine_kwargs(args))
     model_path = nano.llm.llm_engine.config.model_path
     if args.contention and not model_path.endswith(".gguf"):
@@ -416,6 +474,47 @@ def main(args: argparse.Namespace) -> int:
             print(f"contention: llama.cpp decoding {os.path.basename(model_path)} on {torch.get_num_threads()} "
                   f"threads beside the engines (pid {pid})")
         run_workloads(args, runners, decode_bound_tok_s(model_path, bandwidth))
+    return 0
+
+
+def main_copy(args: argparse.Namespace) -> int:
+    """The COPY workload: nano-vllm with speculation and without (and llama.cpp likewise)."""
+    kwargs = engine_kwargs(args)
+    speculation = kwargs["speculative_config"] or DEFAULT_SPECULATION
+    nano = NanoRunner({**kwargs, "speculative_config": speculation})
+    config = nano.llm.llm_engine.config
+    nano.name = f"nano-vllm+{config.speculative_config.method}"
+    plain = NanoRunner({**kwargs, "speculative_config": None})
+    runners = [nano, plain]
+    prompts = copy_prompts(nano.llm.get_tokenizer())
+    longest = max(map(len, prompts)) + COPY_OUTPUT_LEN
+    with contextlib.ExitStack() as stack:
+        if "llama.cpp" in args.compare:
+            if not config.model_path.endswith(".gguf"):
+                raise SystemExit(f"error: --compare llama.cpp runs GGUF files; {config.model_path} is not one")
+            spec = config.speculative_config
+            lookup_tokens = spec.num_speculative_tokens if spec.method == "ngram" else LOOKUP_DEFAULT_TOKENS
+            for engine in ("llama.cpp+lookup", "llama.cpp"):
+                runners.append(EngineProcess(engine, config.model_path, torch.get_num_threads(), 1,
+                                             -(-longest // 256) * 256, lookup_tokens))
+                stack.callback(runners[-1].close)
+        print(machine_summary())
+        for runner in runners:
+            print(f"{runner.name}: {runner.dtype}, start-up {runner.startup_s:.1f} s")
+        if args.contention:
+            pid = stack.enter_context(busy_neighbour(config.model_path, torch.get_num_threads()))
+            print(f"contention: llama.cpp decoding {os.path.basename(config.model_path)} on "
+                  f"{torch.get_num_threads()} threads beside the engines (pid {pid})")
+        before = nano.llm.get_metrics()
+        rates = run_copy(runners, prompts, COPY_OUTPUT_LEN)
+        after = nano.llm.get_metrics()
+        drafts, drafted, accepted = (after[key] - before[key] for key in (
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+        acceptance = (f"{nano.name}: {accepted} of {drafted} drafted tokens accepted "
+                      f"({accepted / max(drafted, 1):.0%}), {1 + accepted / max(drafts, 1):.2f} tokens a verifying step")
+        print_copy(rates, len(prompts), acceptance, COPY_OUTPUT_LEN)
+        print_latency(run_latencies([nano, plain], args.input_len, args.output_len), None, args.input_len,
+                      args.output_len)
     return 0
 
 

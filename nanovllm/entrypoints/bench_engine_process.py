@@ -28,16 +28,20 @@ def run_as_users_run_it() -> None:
     os.environ.update(environment)
 
 
-def _runner(engine: str, gguf_path: str, threads: int, max_sequences: int, tokens_per_sequence: int):
+def _runner(engine: str, gguf_path: str, threads: int, max_sequences: int, tokens_per_sequence: int,
+            draft_tokens: int):
     if engine == "ik_llama.cpp":
         from nanovllm.entrypoints.bench_ik_llama_cpp import IkLlamaCppRunner as Runner
+    elif engine == "llama.cpp+lookup":
+        from nanovllm.entrypoints.bench_llama_cpp import LlamaCppLookupRunner
+        return LlamaCppLookupRunner(gguf_path, threads, tokens_per_sequence, draft_tokens)
     else:
         from nanovllm.entrypoints.bench_llama_cpp import LlamaCppRunner as Runner
     return Runner(gguf_path, threads, max_sequences, tokens_per_sequence)
 
 
 def serve(engine: str, gguf_path: str, threads: int, max_sequences: int, tokens_per_sequence: int,
-          requests, replies) -> None:
+          draft_tokens: int, requests, replies) -> None:
     """Build the runner, say what it is, then run each ("generate", prompts, max_tokens,
     temperature) request until the requests pipe closes. Every message gets one reply:
     ("ok", value), ("exit", message) for an error the user can act on, ("error", traceback)."""
@@ -47,7 +51,7 @@ def serve(engine: str, gguf_path: str, threads: int, max_sequences: int, tokens_
 
     run_as_users_run_it()
     try:
-        runner = _runner(engine, gguf_path, threads, max_sequences, tokens_per_sequence)
+        runner = _runner(engine, gguf_path, threads, max_sequences, tokens_per_sequence, draft_tokens)
     except SystemExit as e:
         return reply("exit", str(e))
     reply("ok", {"dtype": runner.dtype, "startup_s": runner.startup_s,
@@ -72,14 +76,16 @@ class EngineProcess:
     """The runner interface of the bench (name, dtype, startup_s, compile_s, generate, close)
     for an engine that runs in its own process."""
 
-    def __init__(self, engine: str, gguf_path: str, threads: int, max_sequences: int, tokens_per_sequence: int):
+    def __init__(self, engine: str, gguf_path: str, threads: int, max_sequences: int, tokens_per_sequence: int,
+                 draft_tokens: int = 0):
+        """`draft_tokens`: llama.cpp+lookup's tokens a prompt lookup drafts."""
         from nanovllm import user_environment
         self.name = engine
         self.compile_s = 0.0
         requests_read, requests_write = os.pipe()
         replies_read, replies_write = os.pipe()
         command = [sys.executable, "-m", __name__, engine, gguf_path, str(threads), str(max_sequences),
-                   str(tokens_per_sequence), str(requests_read), str(replies_write)]
+                   str(tokens_per_sequence), str(draft_tokens), str(requests_read), str(replies_write)]
         self.process = subprocess.Popen(command, pass_fds=(requests_read, replies_write), env=user_environment())
         os.close(requests_read)
         os.close(replies_write)
@@ -125,9 +131,9 @@ class EngineProcess:
 
 if __name__ == "__main__":
     engine, path, *numbers = sys.argv[1:]
-    threads, max_sequences, tokens_per_sequence, requests_fd, replies_fd = map(int, numbers)
+    threads, max_sequences, tokens_per_sequence, draft_tokens, requests_fd, replies_fd = map(int, numbers)
     try:
         with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
-            serve(engine, path, threads, max_sequences, tokens_per_sequence, requests, replies)
+            serve(engine, path, threads, max_sequences, tokens_per_sequence, draft_tokens, requests, replies)
     except BrokenPipeError:  # the bench ended (killed, say) while we ran its request
         sys.exit(1)

@@ -11,7 +11,11 @@ sampled. Tokens are sampled by llama.cpp's own sampler chain (temperature then a
 greedy), so no numpy runs over the vocabulary. This is how llama.cpp's own batched server and
 `llama-batched-bench` drive it; the high-level `Llama` object runs one sequence at a time.
 
-The bench runs this runner in a process of its own (bench_engine_process). `--contention` runs a
+`LlamaCppLookupRunner` is llama.cpp with its own n-gram speculation, as llama-cpp-python offers it
+(the high-level `Llama` with a `LlamaPromptLookupDecoding` draft model), one request at a time:
+the comparison of the copy workload's speculative decoding.
+
+The bench runs these runners in a process of its own (bench_engine_process). `--contention` runs a
 busy neighbour beside the measured engines: another such process, llama.cpp's high-level `Llama`
 on the same file and thread count, decoding without pause (`python -m
 nanovllm.entrypoints.bench_llama_cpp FILE THREADS` is that process).
@@ -188,3 +192,37 @@ def run_neighbour(gguf_path: str, threads: int) -> None:
 
 if __name__ == "__main__":
     run_neighbour(sys.argv[1], int(sys.argv[2]))
+
+
+class LlamaCppLookupRunner:
+    name = "llama.cpp+lookup"
+
+    def __init__(self, gguf_path: str, threads: int, tokens_per_sequence: int, draft_tokens: int):
+        lib = import_llama_cpp("--compare llama.cpp")
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        start = time.perf_counter()
+        self.llm = lib.Llama(gguf_path, n_ctx=tokens_per_sequence, n_batch=STEP_TOKENS, n_threads=threads,
+                             n_threads_batch=threads, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft_tokens),
+                             verbose=False)
+        self.eos = self.llm.token_eos()
+        self.startup_s = time.perf_counter() - start
+        self.compile_s = 0.0
+        self.dtype = f"the file's types, prompt lookup of {draft_tokens} tokens"
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> None:
+        import numpy as np
+
+        def no_eos(_, logits: np.ndarray) -> np.ndarray:  # as the other runners: EOS ignored
+            logits[self.eos] = -np.inf
+            return logits
+
+        for prompt, n in zip(prompts, max_tokens):
+            self.llm.reset()
+            produced = 0
+            for _ in self.llm.generate(prompt, temp=temperature, logits_processor=[no_eos], reset=True):
+                produced += 1
+                if produced == n:
+                    break
