@@ -223,3 +223,22 @@ def test_metrics_are_exported_under_vllms_names(spec_checkpoint):
     assert accepted == snapshot["spec_decode_num_accepted_tokens"] > 0
     per_position = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+
+
+@requires_default_model
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_the_default_models_greedy_text_is_the_same_with_speculation(method):
+    """The GGUF kernels compute a verify row as the decode of its token would be (batch
+    invariance), so on copy-heavy chats, where most drafts are accepted, the text is the same."""
+    import json
+    from importlib import resources
+    chats = json.loads(resources.files("nanovllm.entrypoints").joinpath("copy_workload.json").read_text())
+    conversations = [chat["messages"] for chat in chats]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    texts, accepted = [], []
+    for config in (None, SPEC_METHODS[method]):
+        llm = LLM(max_model_len=1024, speculative_config=config)
+        texts.append([o.outputs[0].text for o in llm.chat(conversations, params, use_tqdm=False)])
+        accepted.append(llm.get_metrics().get("spec_decode_num_accepted_tokens"))
+    assert texts[0] == texts[1]
+    assert accepted[1] > 0
