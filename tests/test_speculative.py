@@ -185,14 +185,21 @@ def test_unseeded_sampling_keeps_the_targets_distribution():
         assert abs(f_spec - f_plain) < 4 * sigma + 1e-9, (outcome, f_plain, f_spec)
 
 
-def test_constrained_requests_run_beside_speculating_ones(spec_checkpoint):
-    choice = StructuredOutputsParams(choice=["yes", "no"])
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 3 + \
-        [SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=choice)]
+def test_constrained_requests_speculate_within_their_grammar(spec_checkpoint):
+    """A draft is cut where the grammar rejects it and its rows are masked as the grammar stands
+    there: the same outputs, which hold to their constraints, and drafts accepted for them."""
+    repeat = StructuredOutputsParams(regex="(abc){12}")  # a repeating text the drafts can follow
+    constrained = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=repeat),
+                   SamplingParams(temperature=0.8, seed=1, max_tokens=60, structured_outputs=repeat),
+                   SamplingParams(temperature=0.0, max_tokens=10,
+                                  structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), *constrained]
     expected, _ = _run(spec_checkpoint, params)
-    got, _ = _run(spec_checkpoint, params, SPEC_METHODS["suffix"])
+    got, llm = _run(spec_checkpoint, params, SPEC_METHODS["ngram"])
     assert [g[:3] for g in got] == [e[:3] for e in expected]
-    assert got[3][1] in ("yes", "no")
+    assert got[1][1] == "abc" * 12 and got[3][1] in ("yes", "no")
+    _, alone = _run(spec_checkpoint, constrained[:1], SPEC_METHODS["ngram"], prompts=PROMPTS[:1])
+    assert _spec_metrics(alone)[1] > 0  # the grammar's own repetition was drafted and accepted
 
 
 def test_many_decoding_sequences_do_not_draft(spec_checkpoint):

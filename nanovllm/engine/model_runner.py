@@ -237,7 +237,9 @@ class ModelRunner:
                     row_drafts.append(drafts[:j])
         # Before anything waits on the device: on a GPU the grammars' masks are filled on the
         # host while the forward pass still runs there.
-        allowed = grammar_bitmask([seq.grammar for seq in sample_seqs], self.config.hf_config.vocab_size)
+        # A drafted row is masked by its grammar as it stands after the drafts before the row.
+        allowed = grammar_bitmask([seq.grammar.after(drafts) if seq.grammar is not None else None
+                                   for seq, drafts in zip(sample_seqs, row_drafts)], self.config.hf_config.vocab_size)
         # Prompt rows' logits before the sampled rows', in batch order (eval-kl reads them so).
         prompt_logprobs = self._prompt_logprobs(prompt_spans, hidden)
         out = SamplerOutput([], [])

@@ -10,18 +10,20 @@ gives its sampled token in place of the draft, and a sequence whose drafts all h
 row's token on top. For a draft that is a single token (probability 1 where it was proposed),
 accepting it when a sample of the target's distribution equals it is rejection sampling: it is
 accepted with the target's probability of it, and otherwise the token comes from the target's
-distribution without it. So the output is distributed exactly as without speculation, greedy
-output is the same token for token, and a seeded sequence, whose random stream advances by the
+distribution without it. A constrained sequence's draft is cut at the first token its grammar
+rejects, and each of its rows is masked by the grammar as it stands after the drafts before the
+row. So the output is distributed exactly as without speculation, greedy output is the same
+token for token, and a seeded sequence, whose random stream advances by the
 tokens it emits only (model_runner), writes the same text with and without speculation. The KV
 slots of rejected drafts are written but not counted as computed: the next step overwrites them,
 blocks they alone filled go back to the pool (scheduler), and prefix-cache hashes, which cover
 computed tokens only, never include them.
 
 Drafts are skipped where they would cost more than they save: when more sequences decode than
-`disable_by_batch_size` (the step's weights are already shared by many rows), for a constrained
-sequence (its grammar would have to vet each drafted row), and, after a step in which none of a
-sequence's drafts held, for a number of its steps that doubles with each such step in a row (up
-to MAX_DRAFT_PAUSE), so text the proposer cannot guess costs little more than the proposer's search.
+`disable_by_batch_size` (the step's weights are already shared by many rows), and, after a step
+in which none of a sequence's drafts held, for a number of its steps that doubles with each such
+step in a row (up to MAX_DRAFT_PAUSE), so text the proposer cannot guess costs little more than
+the proposer's search.
 """
 
 from nanovllm.engine.sequence import Sequence
@@ -51,8 +53,6 @@ class Speculation:
         if not speculate:
             return
         for seq in decoding:
-            if seq.grammar is not None:
-                continue
             if seq.draft_pause:
                 seq.draft_pause -= 1
                 continue
@@ -60,7 +60,9 @@ class Speculation:
             room = min(seq.stop_checker.max_tokens - seq.num_completion_tokens,
                        self.max_model_len - seq.num_tokens) - 1
             if room > 0:
-                seq.draft_token_ids = self.proposer.propose(seq.token_ids, room)
+                drafts = self.proposer.propose(seq.token_ids, room)
+                # A constrained sequence's draft is cut at the first token its grammar rejects.
+                seq.draft_token_ids = drafts[:seq.grammar.valid_prefix(drafts)] if seq.grammar is not None else drafts
 
     def record(self, seq: Sequence, num_drafted: int, num_emitted: int) -> None:
         """After a step in which `seq` drafted `num_drafted` tokens and emitted `num_emitted`."""

@@ -83,6 +83,20 @@ class GrammarState:
         """Nothing may follow: the grammar is complete (or the matcher failed)."""
         return self.matcher.is_stopped()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, one after another from here, the grammar accepts (speculative
+        decoding cuts a draft there); nothing is consumed."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
+
+    def after(self, tokens: list[int]) -> "GrammarState":
+        """A copy of this state that has consumed `tokens` (valid ones): where a draft's later row
+        is masked from."""
+        if not tokens:
+            return self
+        matcher = self.matcher.deep_copy()
+        matcher.consume_tokens(tokens)
+        return GrammarState(matcher)
+
 
 class StructuredOutputs:
     """Compiles constraints for one tokenizer into matchers, one per sequence."""
