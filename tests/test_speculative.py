@@ -249,3 +249,31 @@ def test_the_default_models_greedy_text_is_the_same_with_speculation(method):
         accepted.append(llm.get_metrics().get("spec_decode_num_accepted_tokens"))
     assert texts[0] == texts[1]
     assert accepted[1] > 0
+
+
+def test_a_speculating_server_streams_the_same_tokens(spec_checkpoint, tmp_path):
+    """`serve --speculative-config`: several tokens may arrive in one step; the stream and the
+    whole response hold the offline engine's greedy text, and /metrics counts the drafts."""
+    import json
+
+    import openai
+    import requests
+
+    from test_server import MODEL, Server, metrics
+    config = json.dumps(SPEC_METHODS["ngram"])
+    server = Server(spec_checkpoint, tmp_path / "server.log", "--speculative-config", config)
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        [(_, expected, *_)] = _run(spec_checkpoint, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                                   prompts=PROMPTS[:1])[0]
+        kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kwargs)
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs)
+                           if chunk.choices)
+        assert whole.choices[0].text == streamed == expected
+        m = metrics(server)
+        assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+    finally:
+        server.stop()
