@@ -230,6 +230,8 @@ def test_metrics_are_exported_under_vllms_names(spec_checkpoint):
     assert accepted == snapshot["spec_decode_num_accepted_tokens"] > 0
     per_position = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)]
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
+    assert snapshot["spec_decode_acceptance_rate"] == accepted / snapshot["spec_decode_num_draft_tokens"]
+    assert snapshot["spec_decode_mean_acceptance_length"] == 1 + accepted / snapshot["spec_decode_num_drafts"]
 
 
 @requires_default_model

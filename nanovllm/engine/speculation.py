@@ -85,6 +85,10 @@ class Speculation:
         self.proposer.finish(seq.completion_token_ids)
 
     def metrics(self) -> dict:
+        """vLLM's counters, and what its logs derive from them: the share of drafted tokens
+        accepted, and the mean tokens a verifying step emits (accepted drafts and the token after)."""
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position)}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+                "spec_decode_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+                "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / max(self.num_drafts, 1)}
