@@ -60,6 +60,24 @@ def test_suffix_searches_the_cache_of_finished_outputs():
     assert proposer.propose([31, 40]) == [41]
 
 
+def test_the_output_cache_index_follows_additions_and_evictions():
+    """Positions are appended as outputs come and skipped once evicted; compaction keeps them true."""
+    import random
+
+    from nanovllm.speculative.suffix import OutputCache
+    rng, cache, kept = random.Random(0), OutputCache(max_requests=5), []
+    for _ in range(300):
+        output = [rng.randrange(6) for _ in range(rng.randint(1, 8))]
+        cache.add(output)
+        kept = (kept + [output])[-5:]
+        tokens = cache.tokens
+        assert len(tokens) < 2 * sum(len(o) + 1 for o in kept)  # evicted tokens do not pile up
+        for token in range(6):
+            positions = cache.positions_of(token)
+            assert (tokens[positions] == token).all() and (positions >= cache.start).all()
+            assert len(positions) == sum(o.count(token) for o in kept)
+
+
 @pytest.mark.parametrize("given, message", [
     ({"method": "beam"}, "method must be one of"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),

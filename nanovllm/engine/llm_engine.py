@@ -174,11 +174,13 @@ class LLMEngine:
         self.decode_tokens_computed += num_decode
         self.prefill_tokens_computed += batch.num_tokens - num_decode
         self._record_prompt_logprobs(batch, out)
-        drafted = [len(batch.drafts[i]) for i in range(len(batch)) if batch.samples(i)]
+        # A step that verified drafts: each sampling sequence's drafted tokens, for the bookkeeping.
+        drafted = ([len(batch.drafts[i]) for i in range(len(batch)) if batch.samples(i)]
+                   if out.num_tokens is not None else None)
         advanced = self.scheduler.postprocess(batch, out.token_ids, out.num_tokens)
         emitted = out.num_tokens or [1] * len(advanced)
         first = 0  # of the sequence's tokens in out.token_ids / out.logprobs
-        for (seq, appended), num_emitted, num_drafted in zip(advanced, emitted, drafted):
+        for (seq, appended), num_emitted in zip(advanced, emitted):
             self.generation_tokens += appended
             for j, logprobs in enumerate(out.logprobs[first:first + appended]):
                 if logprobs is not None:
@@ -186,7 +188,8 @@ class LLMEngine:
                     seq.logprobs.append(self._position_logprobs(token, logprobs))
                     seq.cumulative_logprob += logprobs.chosen_logprob
             first += num_emitted
-            if self.speculation is not None:
+        if drafted is not None:
+            for (seq, _), num_emitted, num_drafted in zip(advanced, emitted, drafted):
                 self.speculation.record(seq, num_drafted, num_emitted)
         requests = {seq.request_id: self.requests[seq.request_id] for seq, _ in advanced}
         outputs = [self._output(request) for request in requests.values()]

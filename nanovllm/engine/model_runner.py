@@ -220,6 +220,7 @@ class ModelRunner:
         """Logits only for the rows that need them: the last row of each sampling sequence,
         and the prompt rows of a sequence that asked for prompt logprobs. Then sample."""
         sample_rows, sample_seqs, row_drafts, prompt_spans, end = [], [], [], [], 0
+        drafted = []  # (sequence, its drafts) of each sampling sequence, in batch order
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = end, end + n
             if seq.wants_prompt_logprobs:
@@ -231,6 +232,7 @@ class ModelRunner:
             if batch.samples(i):
                 # A row per drafted token (its drafts before it in the context), then the row after them.
                 drafts = batch.drafts[i]
+                drafted.append((seq, drafts))
                 for j in range(len(drafts) + 1):
                     sample_rows.append(end - 1 - len(drafts) + j)
                     sample_seqs.append(seq)
@@ -248,13 +250,13 @@ class ModelRunner:
             if logits is not None:  # None on a non-zero tensor-parallel rank: rank 0 samples
                 sampling = SamplingBatch.build(
                     [seq.sampling_params for seq in sample_seqs],
-                    [seq.token_ids + drafts for seq, drafts in zip(sample_seqs, row_drafts)],
+                    # The context a row samples in; a copy only for a drafted row.
+                    [seq.token_ids + drafts if drafts else seq.token_ids for seq, drafts in zip(sample_seqs, row_drafts)],
                     [seq.num_prompt_tokens for seq in sample_seqs],
                     [seq.stop_checker.banned_token_ids(seq.num_completion_tokens + len(drafts))
                      for seq, drafts in zip(sample_seqs, row_drafts)],
                     [seq.generator for seq in sample_seqs], logits.shape[1], logits.device, allowed)
-                drafted = [(seq, batch.drafts[i]) for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-                if any(drafts for _, drafts in drafted):
+                if len(sample_rows) > len(drafted):  # some sequence drafted
                     streams = {seq.seq_id: seq.generator.get_state() for seq, drafts in drafted
                                if drafts and seq.generator is not None}
                     out = _verified(self.sampler(logits, sampling, self.generator), drafted, streams)

@@ -12,7 +12,7 @@ the draft with the larger expected number of accepted tokens (the sum of those p
 
 Storage is what the engine holds anyway (the request's tokens) plus the cache: the outputs of
 the last `max_cached_requests` finished requests, one array with -1 between outputs (so no match
-crosses two), and for each token id the positions where it occurs there.
+crosses two), and for each token id the positions where it occurs there (OutputCache).
 """
 
 from collections import deque
@@ -83,40 +83,53 @@ def _positions_of(tokens: np.ndarray, token: int) -> np.ndarray:
 
 
 class OutputCache:
-    """The outputs of the last `max_requests` finished requests, searchable by token."""
+    """The outputs of the last `max_requests` finished requests, searchable by token: one array
+    (each output followed by a separator) and, per token id, the positions where it occurs.
+
+    Adding an output appends it and its positions (its own length of work); evicting one only
+    moves `start` past it, and positions before `start` are left out of searches. Once the
+    evicted prefix is as long as what is kept, the arrays are rebuilt without it, so the work
+    and memory stay proportional to the outputs kept."""
 
     def __init__(self, max_requests: int):
         self.max_requests = max_requests
-        self._outputs: deque[np.ndarray] = deque()
-        self._tokens = np.empty(0, dtype=np.int64)
-        self._index: dict[int, np.ndarray] = {}
-        self._stale = False
+        self._lengths: deque[int] = deque()  # of the kept outputs, separators included
+        self._buffer = np.empty(1024, dtype=np.int64)  # tokens[:size]; grows by doubling
+        self._size = 0
+        self._positions: dict[int, list[int]] = {}
+        self.start = 0  # the first kept position of `tokens`
 
     def add(self, output_token_ids: list[int]) -> None:
         if self.max_requests < 1 or not output_token_ids:
             return
-        self._outputs.append(np.asarray(output_token_ids, dtype=np.int64))
-        while len(self._outputs) > self.max_requests:
-            self._outputs.popleft()
-        self._stale = True
+        offset, length = self._size, len(output_token_ids) + 1
+        for i, token in enumerate(output_token_ids):
+            self._positions.setdefault(token, []).append(offset + i)
+        if offset + length > len(self._buffer):
+            self._buffer = np.resize(self._buffer, max(2 * len(self._buffer), offset + length))
+        self._buffer[offset:offset + length - 1] = output_token_ids
+        self._buffer[offset + length - 1] = _SEPARATOR
+        self._size += length
+        self._lengths.append(length)
+        while len(self._lengths) > self.max_requests:
+            self.start += self._lengths.popleft()
+        if self.start >= self._size - self.start:
+            self._compact()
 
     @property
     def tokens(self) -> np.ndarray:
-        self._rebuild()
-        return self._tokens
+        """The cache's tokens (evicted ones included before `start`: searches skip them; a match
+        cannot run back into them, a separator stands between)."""
+        return self._buffer[:self._size]
 
     def positions_of(self, token: int) -> np.ndarray:
-        self._rebuild()
-        return self._index.get(token, np.empty(0, dtype=np.int64))
+        positions = np.asarray(self._positions.get(token, ()), dtype=np.int64)
+        return positions[positions >= self.start]
 
-    def _rebuild(self) -> None:
-        # Whole, at the first search after outputs were added (so once a step at most): the
-        # arrays stay contiguous, which is what makes a search one vectorised pass.
-        if not self._stale:
-            return
-        self._stale = False
-        self._tokens = np.concatenate([piece for output in self._outputs
-                                       for piece in (output, np.array([_SEPARATOR]))])
-        order = np.argsort(self._tokens, kind="stable")
-        values, starts = np.unique(self._tokens[order], return_index=True)
-        self._index = {int(v): order[s:e] for v, s, e in zip(values, starts, [*starts[1:], len(order)])}
+    def _compact(self) -> None:
+        kept = self._buffer[self.start:self._size].copy()
+        self._positions = {}
+        for position, token in enumerate(kept.tolist()):
+            if token != _SEPARATOR:
+                self._positions.setdefault(token, []).append(position)
+        self._buffer, self._size, self.start = kept, len(kept), 0
