@@ -75,6 +75,8 @@ class EngineConfig:
     checkpoint: "Checkpoint" = field(init=False)  # the format, decided once
     hf_config: PretrainedConfig = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
+    # speculative_config's draft model (method "draft_model"), configured as an engine of its own.
+    draft_config: "EngineConfig | None" = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         with startup_phase("checkpoint header and config"):
@@ -107,6 +109,24 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.speculative_config is not None and self.runner == "pooling":
             raise ValueError("speculative_config applies to a generating model; a pooling model generates nothing")
+        self.draft_config = self._draft_config()
+
+    def _draft_config(self) -> "EngineConfig | None":
+        """The draft model's engine config: the target's device, dtype and scheduler limits, one
+        rank, and a context no longer than the target's (nor the draft's own positions)."""
+        spec = self.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        try:
+            draft = EngineConfig(model=spec.model, dtype=self.dtype, device=self.device,
+                                 max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                 kvcache_block_size=self.kvcache_block_size, enforce_eager=self.enforce_eager,
+                                 seed=self.seed, num_threads=self.num_threads, quantization=spec.quantization,
+                                 runner="generate")
+        except (ValueError, OSError) as error:
+            raise ValueError(f"speculative_config.model {spec.model!r}: {error}") from error
+        draft.max_model_len = min(draft.max_model_len, self.max_model_len)
+        return draft
 
     def _resolve_model(self):
         from nanovllm.loader.checkpoint import open_checkpoint

@@ -95,9 +95,14 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputsParams | None = None
+    # An engine that speculates drafts at most this many tokens a step for this request (0: none);
+    # None: as many as the engine's speculative_config says. No effect on an engine that does not.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         _check_int("n", self.n, 1)
+        if self.num_speculative_tokens is not None:
+            _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         _check_float("temperature", self.temperature, ">= 0 (0 means greedy)", lambda v: v >= 0)
         _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         if _is_int(self.top_k) and self.top_k == -1:

@@ -1,7 +1,8 @@
 """Speculative decoding: the n-gram and suffix proposers on token lists, the config's checks, and
-the engine with and without speculation on a tiny random checkpoint (fp32): the same greedy
-tokens and logprobs, the same seeded text, the target's distribution unseeded, stops and limits
-kept, no block leaked, with chunked prompts, prefix caching and preemption."""
+the engine with and without speculation (n-gram, suffix, a draft model) on a tiny random
+checkpoint (fp32): the same greedy tokens and logprobs, the same seeded text, the target's
+distribution unseeded, stops and limits kept, no block leaked (the draft model's own included),
+with chunked prompts, prefix caching and preemption; a request's own draft limit."""
 
 from collections import Counter
 
@@ -85,7 +86,11 @@ def test_the_output_cache_index_follows_additions_and_evictions():
     ({"method": "suffix", "num_speculative_tokens": 65}, "[1, 64]"),
     ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 6}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}, "unknown fields ['lookahead']"),
-    ({"model": "path/to/draft", "num_speculative_tokens": 4}, "draft model is not supported yet"),
+    ({"model": "path/to/draft"}, "num_speculative_tokens is required for method 'draft_model'"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "model names the draft model"),
+    ({"method": "ngram", "model": "path/to/draft", "num_speculative_tokens": 4}, "model names the draft model"),
+    ({"model": "d", "num_speculative_tokens": 4, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+    ({"method": "suffix", "quantization": "q8_0"}, "applies to method 'draft_model' only"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "suffix_decoding_min_token_prob"),
 ])
 def test_bad_configs_say_what_is_allowed(given, message):
@@ -100,12 +105,31 @@ def test_config_defaults():
     assert isinstance(ngram.proposer(), NgramProposer)
     suffix = SpeculativeConfig.of({"method": "suffix"})
     assert suffix.num_speculative_tokens == 24 and isinstance(suffix.proposer(), SuffixProposer)
+    draft = SpeculativeConfig.of({"model": "path/to/draft", "num_speculative_tokens": 4})  # as vLLM infers it
+    assert draft.method == "draft_model" and draft.proposer() is None
+
+
+def test_a_draft_model_that_cannot_be_opened_or_has_another_tokenizer_is_refused(spec_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="speculative_config.model '/no/such/draft'"):
+        LLM(str(spec_checkpoint), speculative_config={"model": "/no/such/draft", "num_speculative_tokens": 3})
+    other = make_tiny_checkpoint(tmp_path / "other-vocab", vocab_size=400)
+    with pytest.raises(ValueError, match="has another tokenizer than the target model"):
+        LLM(str(spec_checkpoint), dtype="float32", speculative_config={"model": str(other),
+                                                                       "num_speculative_tokens": 3})
 
 
 # ----- the engine, with and without speculation -----
 
 SPEC_METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
-                "suffix": {"method": "suffix", "num_speculative_tokens": 6}}
+                "suffix": {"method": "suffix", "num_speculative_tokens": 6},
+                # Its model is the target's own checkpoint (_config), whose drafts a greedy target accepts.
+                "draft_model": {"method": "draft_model", "num_speculative_tokens": 4}}
+
+
+def _config(method: str, checkpoint) -> dict:
+    """SPEC_METHODS[method], with the target itself as the draft model where it takes one."""
+    config = SPEC_METHODS[method]
+    return {**config, "model": str(checkpoint)} if method == "draft_model" else config
 # A repeating prompt gives the n-gram and suffix proposers matches from the first step; a tiny
 # random model's greedy output soon loops too, which the drafts then follow.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [40, 41, 42, 43] * 6 + [44], list(range(100, 130)),
@@ -124,6 +148,10 @@ def _run(checkpoint, params, speculative_config=None, prompts=PROMPTS, **engine)
     manager = llm.llm_engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks  # nothing leaked, drafts' blocks included
     manager.check_invariants([])
+    draft_model = llm.llm_engine.speculation and llm.llm_engine.speculation.draft_model
+    if draft_model:  # the draft's own KV cache too
+        assert not draft_model.shadows and draft_model.block_manager.num_free_blocks == draft_model.block_manager.num_blocks
+        draft_model.block_manager.check_invariants([])
     return [(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outputs for c in o.outputs], llm
 
 
@@ -141,7 +169,7 @@ def _spec_metrics(llm: LLM) -> tuple[int, int]:
 def test_greedy_tokens_are_the_same_with_speculation(spec_checkpoint, method, engine):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     expected, _ = _run(spec_checkpoint, params, **engine)
-    got, llm = _run(spec_checkpoint, params, SPEC_METHODS[method], **engine)
+    got, llm = _run(spec_checkpoint, params, _config(method, spec_checkpoint), **engine)
     assert [g[:3] for g in got] == [e[:3] for e in expected]
     for (*_, got_logprobs), (*_, expected_logprobs) in zip(got, expected):
         for g, e in zip(got_logprobs, expected_logprobs):
@@ -174,8 +202,8 @@ def test_a_seeded_request_writes_the_same_text_with_and_without_speculation(spec
     params = [SamplingParams(temperature=0.5, top_k=4, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True,
                              repetition_penalty=1.05) for seed in range(len(PROMPTS))]
     expected, _ = _run(spec_checkpoint, params)
-    got, llm = _run(spec_checkpoint, params, SPEC_METHODS[method])
-    again, _ = _run(spec_checkpoint, params, SPEC_METHODS[method])
+    got, llm = _run(spec_checkpoint, params, _config(method, spec_checkpoint))
+    again, _ = _run(spec_checkpoint, params, _config(method, spec_checkpoint))
     assert [g[:3] for g in got] == [e[:3] for e in expected] == [a[:3] for a in again]
     assert _spec_metrics(llm)[1] > 0
 
@@ -218,6 +246,69 @@ def test_constrained_requests_speculate_within_their_grammar(spec_checkpoint):
     assert got[1][1] == "abc" * 12 and got[3][1] in ("yes", "no")
     _, alone = _run(spec_checkpoint, constrained[:1], SPEC_METHODS["ngram"], prompts=PROMPTS[:1])
     assert _spec_metrics(alone)[1] > 0  # the grammar's own repetition was drafted and accepted
+
+
+def _noisy_copy(checkpoint, path, scale: float):
+    """The checkpoint with noise of `scale` on every weight: a draft model that agrees in part."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(checkpoint, path)
+    weights = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    save_file({name: w + scale * torch.randn(w.shape, generator=generator) for name, w in weights.items()},
+              path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("engine", [{}, {"num_kvcache_blocks": 24, "kvcache_block_size": 4, "max_model_len": 80}],
+                         ids=["plain", "preempted"])
+def test_a_draft_model_that_agrees_in_part_gives_the_same_tokens(spec_checkpoint, tmp_path, engine):
+    """Drafts accepted in part: the draft's KV of accepted drafts is kept, of rejected ones
+    recomputed; a greedy target's tokens stay its own, and both KV caches end empty."""
+    draft = _noisy_copy(spec_checkpoint, tmp_path / "draft", 0.02)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected, _ = _run(spec_checkpoint, params, **engine)
+    got, llm = _run(spec_checkpoint, params, {"model": str(draft), "num_speculative_tokens": 5}, **engine)
+    assert [g[:3] for g in got] == [e[:3] for e in expected]
+    drafted, accepted = _spec_metrics(llm)
+    assert 0 < accepted < drafted
+
+
+def test_a_draft_model_lets_go_of_aborted_sequences(spec_checkpoint):
+    llm = LLM(str(spec_checkpoint), dtype="float32", num_kvcache_blocks=64,
+              speculative_config=_config("draft_model", spec_checkpoint))
+    engine = llm.llm_engine
+    draft = engine.speculation.draft_model
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    while len(draft.shadows) < 2:
+        engine.step()
+    engine.abort_request("0")
+    engine.step()
+    assert len(draft.shadows) == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert not draft.shadows and draft.block_manager.num_free_blocks == draft.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_a_request_may_draft_fewer_tokens_or_none(spec_checkpoint, method):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected, _ = _run(spec_checkpoint, params)
+    config = _config(method, spec_checkpoint)
+    for limit in (0, 2):
+        limited = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, num_speculative_tokens=limit)
+        got, llm = _run(spec_checkpoint, limited, config)
+        assert [g[:3] for g in got] == [e[:3] for e in expected]
+        per_position = llm.get_metrics()["spec_decode_num_accepted_tokens_per_pos"]
+        if limit == 0:
+            assert _spec_metrics(llm) == (0, 0)
+        else:
+            assert per_position[0] > 0 and not any(per_position[limit:])
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
 
 
 def test_many_decoding_sequences_do_not_draft(spec_checkpoint):
@@ -263,7 +354,7 @@ def test_the_default_models_greedy_text_is_the_same_with_speculation(method):
     conversations = [chat["messages"] for chat in chats]
     params = SamplingParams(temperature=0.0, max_tokens=64)
     texts, accepted = [], []
-    for config in (None, SPEC_METHODS[method]):
+    for config in (None, _config(method, "smollm2-135m-instruct")):
         llm = LLM(max_model_len=1024, speculative_config=config)
         texts.append([o.outputs[0].text for o in llm.chat(conversations, params, use_tqdm=False)])
         accepted.append(llm.get_metrics().get("spec_decode_num_accepted_tokens"))
@@ -294,6 +385,10 @@ def test_a_speculating_server_streams_the_same_tokens(spec_checkpoint, tmp_path)
         assert whole.choices[0].text == streamed == expected
         m = metrics(server)
         assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        # A request that drafts nothing: the same text, no drafts counted.
+        none = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "num_speculative_tokens": 0}})
+        assert none.choices[0].text == expected
+        assert metrics(server)["vllm:spec_decode_num_drafts_total"] == m["vllm:spec_decode_num_drafts_total"]
         assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
     finally:
         server.stop()

@@ -86,6 +86,7 @@ def run_workload(llm: LLM) -> list:
     return [tokens, top_prompt_tokens]
 
 
+TARGET_AS_DRAFT = "<the target's checkpoint>"
 TP_CASES = {
     # One KV head, replicated on both ranks; head_dim != hidden / heads.
     "qwen3-replicated-kv": ("Qwen3ForCausalLM", dict(head_dim=32, num_key_value_heads=1)),
@@ -112,6 +113,9 @@ TP_CASES = {
     # Speculative decoding: the drafts travel in the step's batch, so every rank runs their rows.
     "qwen3-ngram-drafts": ("Qwen3ForCausalLM", dict(speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64})),
+    # A draft model (the target's own checkpoint) runs unsharded on rank 0; its drafts travel alike.
+    "qwen3-draft-model": ("Qwen3ForCausalLM", dict(speculative_config={
+        "model": TARGET_AS_DRAFT, "num_speculative_tokens": 3, "disable_by_batch_size": 64})),
 }
 
 
@@ -121,6 +125,8 @@ def test_tp2_matches_tp1_with_prefix_caching_and_preemption(case, tmp_path):
     engine = dict(ENGINE, quantization=overrides.pop("quantization", None),
                   speculative_config=overrides.pop("speculative_config", None))
     path = str(make_tiny_checkpoint(tmp_path, arch, **overrides))
+    if engine["speculative_config"] is not None and engine["speculative_config"].get("model") == TARGET_AS_DRAFT:
+        engine["speculative_config"] = {**engine["speculative_config"], "model": path}
     reference = LLM(path, **engine)
     with one_thread():
         expected = run_workload(reference)

@@ -16,6 +16,7 @@ from nanovllm.startup import phase as startup_phase
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.draft_model import DraftModel, check_same_tokenizer
 from nanovllm.engine.executor import make_executor
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sampler import SamplerOutput, TokenLogprobs
@@ -45,10 +46,17 @@ class LLMEngine:
             forbid_undeclared_properties=config.structured_outputs_config["disable_additional_properties"])
         if config.device == "cpu":
             torch.set_num_threads(config.num_threads)  # the kernels' pool and torch's both follow it
+        draft = config.draft_config  # speculative decoding's draft model, if it has one
+        if draft is not None:
+            with startup_phase("draft model's tokenizer"):
+                check_same_tokenizer(self.tokenizer, draft.checkpoint.tokenizer(), config.speculative_config.model)
         self.executor = make_executor(config)
         # Speculative decoding's drafts and their bookkeeping, if the engine speculates.
-        self.speculation = (Speculation(config.speculative_config, config.max_model_len)
-                            if config.speculative_config is not None else None)
+        self.speculation = None
+        if config.speculative_config is not None:
+            with startup_phase("draft model"):
+                draft_model = DraftModel(draft, self.executor.num_kvcache_blocks) if draft is not None else None
+            self.speculation = Speculation(config.speculative_config, config.max_model_len, draft_model)
         self.block_manager = BlockManager(self.executor.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, self.executor.kv_sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

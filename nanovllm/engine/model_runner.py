@@ -160,7 +160,7 @@ class ModelRunner:
         for i, (seq, start, end) in enumerate(zip(batch.seqs, starts.tolist(), context_lens.tolist())):
             input_ids += seq.token_ids[start:end]
             if end > seq.num_tokens:  # drafted tokens follow the sequence's own
-                input_ids += batch.drafts[i][:end - seq.num_tokens]
+                input_ids += batch.drafts[i][max(start - seq.num_tokens, 0):end - seq.num_tokens]
             block_tables[i, :len(seq.block_table)] = seq.block_table
         seq_of_token = np.repeat(np.arange(len(batch)), num_new)
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, num_new)
@@ -181,16 +181,27 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> SamplerOutput | PoolerOutput:
         """Run one step; returns one sampled token per sequence that samples, in batch order (a
         pooling model: one vector per sequence whose prompt ends this step)."""
-        input_ids, positions, layout = self._prepare(batch)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(layout):
-            hidden = self.cuda_graphs.run(input_ids, positions, layout)
-        else:
-            metadata = self.backend.prepare(layout)
-            with forward_context(self.backend, metadata):
-                hidden = self.model(input_ids, positions)
+        hidden = self._forward(batch)
         if self.pooler is not None:
             return self._pool(batch, hidden)
         return self._sample(batch, hidden)
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The batch's rows through the model (a captured graph where one fits): hidden states."""
+        input_ids, positions, layout = self._prepare(batch)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(layout):
+            return self.cuda_graphs.run(input_ids, positions, layout)
+        with forward_context(self.backend, self.backend.prepare(layout)):
+            return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def greedy_next(self, batch: ScheduledBatch) -> list[int]:
+        """A draft model's step: run the batch and return each sequence's most likely next token
+        after its last row (its drafts so far included)."""
+        hidden = self._forward(batch)
+        last_rows = np.cumsum(batch.num_new_tokens) - 1
+        logits = self.model.compute_logits(hidden[to_device(last_rows, torch.long, hidden.device)])
+        return logits.argmax(dim=-1).tolist()
 
     def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> PoolerOutput:
         """Carry each sequence's pooling state over its rows; a sequence whose prompt ends this

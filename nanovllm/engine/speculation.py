@@ -19,6 +19,11 @@ slots of rejected drafts are written but not counted as computed: the next step 
 blocks they alone filled go back to the pool (scheduler), and prefix-cache hashes, which cover
 computed tokens only, never include them.
 
+A request may ask for fewer drafted tokens than the engine's config gives, or none
+(`SamplingParams.num_speculative_tokens`). Drafts come from a proposer over the sequence's
+tokens (ngram, suffix) or from a draft model run for every drafting sequence at once
+(engine/draft_model.py).
+
 Drafts are skipped where they would cost more than they save: when more sequences decode than
 `disable_by_batch_size` (the step's weights are already shared by many rows), and, after a step
 in which none of a sequence's drafts held, for a number of its steps that doubles with each such
@@ -26,6 +31,7 @@ step in a row (up to MAX_DRAFT_PAUSE), so text the proposer cannot guess costs l
 the proposer's search.
 """
 
+from nanovllm.engine.draft_model import DraftModel
 from nanovllm.engine.sequence import Sequence
 from nanovllm.speculative.config import SpeculativeConfig
 
@@ -33,10 +39,12 @@ MAX_DRAFT_PAUSE = 16
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft_model: DraftModel | None = None):
+        """`draft_model`: for method "draft_model", the draft's runner; else the config's proposer drafts."""
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = config.proposer()
+        self.draft_model = draft_model
         # vLLM's counters: drafts proposed (sequences that drafted in a step), drafted tokens,
         # accepted tokens, and accepted tokens by their place in the draft.
         self.num_drafts = 0
@@ -50,19 +58,25 @@ class Speculation:
         speculate = len(decoding) <= self.config.disable_by_batch_size
         for seq in running:
             seq.draft_token_ids = []
-        if not speculate:
-            return
-        for seq in decoding:
+        wanted = []  # (sequence, the most tokens it may draft)
+        for seq in decoding if speculate else ():
             if seq.draft_pause:
                 seq.draft_pause -= 1
                 continue
             # Room for the drafts and the token after them, within max_tokens and the context.
             room = min(seq.stop_checker.max_tokens - seq.num_completion_tokens,
                        self.max_model_len - seq.num_tokens) - 1
+            asked = seq.sampling_params.num_speculative_tokens
+            room = min(room, self.config.num_speculative_tokens if asked is None else asked)
             if room > 0:
-                drafts = self.proposer.propose(seq.token_ids, room)
-                # A constrained sequence's draft is cut at the first token its grammar rejects.
-                seq.draft_token_ids = drafts[:seq.grammar.valid_prefix(drafts)] if seq.grammar is not None else drafts
+                wanted.append((seq, room))
+        if self.draft_model is not None:
+            proposals = self.draft_model.propose(wanted, running)  # it also lets go of sequences no longer running
+        else:
+            proposals = [self.proposer.propose(seq.token_ids, room) for seq, room in wanted]
+        for (seq, _), drafts in zip(wanted, proposals):
+            # A constrained sequence's draft is cut at the first token its grammar rejects.
+            seq.draft_token_ids = drafts[:seq.grammar.valid_prefix(drafts)] if seq.grammar is not None else drafts
 
     def record(self, seq: Sequence, num_drafted: int, num_emitted: int) -> None:
         """After a step in which `seq` drafted `num_drafted` tokens and emitted `num_emitted`."""
@@ -82,7 +96,10 @@ class Speculation:
 
     def finished(self, seq: Sequence) -> None:
         """A sequence ended: the proposer may learn from its output (suffix decoding's cache)."""
-        self.proposer.finish(seq.completion_token_ids)
+        if self.draft_model is not None:
+            self.draft_model.release(seq)
+        else:
+            self.proposer.finish(seq.completion_token_ids)
 
     def metrics(self) -> dict:
         """vLLM's counters, and what its logs derive from them: the share of drafted tokens

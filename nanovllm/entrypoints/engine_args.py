@@ -49,7 +49,8 @@ _ENGINE_FLAGS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (("--speculative-config",), "speculative_config",
      dict(type=lambda text: _json_object("--speculative-config", text), metavar="JSON",
           help='speculative decoding, as vLLM names it: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-               "(prompt_lookup_min/max) or '{\"method\": \"suffix\"}' (suffix_decoding_*); "
+               "(prompt_lookup_min/max), '{\"method\": \"suffix\"}' (suffix_decoding_*) or a draft model with "
+               "the same tokenizer, '{\"model\": \"small.gguf\", \"num_speculative_tokens\": 4}'; "
                "disable_by_batch_size: no drafts when more sequences decode (default: off)")),
     (("--threads",), "num_threads", dict(type=int, metavar="N",
                                          help="CPU threads (default: $NANOVLLM_NUM_THREADS, else the CPUs this "

@@ -195,6 +195,9 @@ class SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids, as JSON keys, to biases
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's
+    # nano-vllm's: at most this many drafted tokens a step for this request (0: none), where the
+    # server speculates (--speculative-config).
+    num_speculative_tokens: int | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -249,7 +252,7 @@ class SamplingRequest(_Strict):
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=logit_bias,
-            structured_outputs=self.constraint(),
+            structured_outputs=self.constraint(), num_speculative_tokens=self.num_speculative_tokens,
         )
 
     @property

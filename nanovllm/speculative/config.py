@@ -1,12 +1,13 @@
 """`speculative_config` (vLLM's names): which method drafts, how many tokens, and each method's
-settings, checked when the engine is configured; and the proposer it builds."""
+settings, checked when the engine is configured; and the proposer it builds for the methods
+without a second model (a draft model runs in the engine: engine/draft_model.py)."""
 
 from dataclasses import dataclass, fields
 
 from nanovllm.speculative.ngram import NgramProposer
 from nanovllm.speculative.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 64
 # Beyond a few decoding sequences a step's weights are already shared by many rows, and extra
 # rows to verify cost compute that speculation rarely pays back.
@@ -24,6 +25,9 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0  # a draft is at most this many times the match's length
     suffix_decoding_min_token_prob: float = 0.1  # a draft stops where its tokens' joint share falls below
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE  # no drafts while more sequences decode
+    model: str | None = None  # draft_model: the draft's checkpoint (its tokenizer must be the target's)
+    quantization: str | None = None  # draft_model: as the engine's `quantization`, for the draft
+    draft_tensor_parallel_size: int = 1  # draft_model: the draft runs unsharded, on the first rank
 
     @classmethod
     def of(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -33,8 +37,8 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
-        if "model" in value or value.get("method") == "draft_model":
-            raise ValueError("speculative_config: a draft model is not supported yet; use method 'ngram' or 'suffix'")
+        if value.get("model") is not None and value.get("method") is None:
+            value = {**value, "method": "draft_model"}  # vLLM infers the method from a model
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -47,6 +51,17 @@ class SpeculativeConfig:
         return config
 
     def _resolve(self) -> None:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model of method 'draft_model' and only "
+                             f"that method; got method {self.method!r} with model {self.model!r}")
+        if self.method == "draft_model":
+            if self.num_speculative_tokens is None:
+                raise ValueError("speculative_config.num_speculative_tokens is required for method 'draft_model'")
+            if self.draft_tensor_parallel_size != 1:
+                raise ValueError("speculative_config.draft_tensor_parallel_size must be 1 (the draft model runs "
+                                 f"unsharded), got {self.draft_tensor_parallel_size!r}")
+        elif self.quantization is not None:
+            raise ValueError("speculative_config.quantization applies to method 'draft_model' only")
         if self.method == "ngram":
             if self.num_speculative_tokens is None:
                 raise ValueError("speculative_config.num_speculative_tokens is required for method 'ngram'")
@@ -55,7 +70,7 @@ class SpeculativeConfig:
                                       else self.prompt_lookup_min)
             _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max)
             _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, 64)
-        else:
+        elif self.method == "suffix":
             _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1, 1024)
             if self.num_speculative_tokens is None:
                 self.num_speculative_tokens = min(self.suffix_decoding_max_tree_depth, MAX_SPECULATIVE_TOKENS)
@@ -65,7 +80,10 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("disable_by_batch_size", self.disable_by_batch_size, 0, 1 << 20)
 
-    def proposer(self) -> NgramProposer | SuffixProposer:
+    def proposer(self) -> NgramProposer | SuffixProposer | None:
+        """The proposer of a method without a second model; None for 'draft_model'."""
+        if self.method == "draft_model":
+            return None
         if self.method == "ngram":
             return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max, self.num_speculative_tokens)
         return SuffixProposer(self.num_speculative_tokens, self.suffix_decoding_max_tree_depth,
