@@ -231,7 +231,8 @@ def test_unseeded_sampling_keeps_the_targets_distribution():
         assert abs(f_spec - f_plain) < 4 * sigma + 1e-9, (outcome, f_plain, f_spec)
 
 
-def test_constrained_requests_speculate_within_their_grammar(spec_checkpoint):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_requests_speculate_within_their_grammar(spec_checkpoint, method):
     """A draft is cut where the grammar rejects it and its rows are masked as the grammar stands
     there: the same outputs, which hold to their constraints, and drafts accepted for them."""
     repeat = StructuredOutputsParams(regex="(abc){12}")  # a repeating text the drafts can follow
@@ -241,10 +242,10 @@ def test_constrained_requests_speculate_within_their_grammar(spec_checkpoint):
                                   structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), *constrained]
     expected, _ = _run(spec_checkpoint, params)
-    got, llm = _run(spec_checkpoint, params, SPEC_METHODS["ngram"])
+    got, llm = _run(spec_checkpoint, params, _config(method, spec_checkpoint))
     assert [g[:3] for g in got] == [e[:3] for e in expected]
     assert got[1][1] == "abc" * 12 and got[3][1] in ("yes", "no")
-    _, alone = _run(spec_checkpoint, constrained[:1], SPEC_METHODS["ngram"], prompts=PROMPTS[:1])
+    _, alone = _run(spec_checkpoint, constrained[:1], _config(method, spec_checkpoint), prompts=PROMPTS[:1])
     assert _spec_metrics(alone)[1] > 0  # the grammar's own repetition was drafted and accepted
 
 
@@ -274,6 +275,31 @@ def test_a_draft_model_that_agrees_in_part_gives_the_same_tokens(spec_checkpoint
     assert [g[:3] for g in got] == [e[:3] for e in expected]
     drafted, accepted = _spec_metrics(llm)
     assert 0 < accepted < drafted
+
+
+def test_a_draft_models_padded_vocabulary_never_reaches_the_target(spec_checkpoint, tmp_path):
+    """A draft with the target's tokenizer but logits padded past the target's vocabulary (as
+    a family's sizes pad theirs differently): a padded id ends its draft, never a verify row."""
+    import shutil
+
+    from conftest import TINY_CONFIG
+    draft = make_tiny_checkpoint(tmp_path / "padded", seed=3, vocab_size=TINY_CONFIG["vocab_size"] + 64,
+                                 eos_token_id=TINY_CONFIG["vocab_size"] - 3)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (spec_checkpoint / name).exists():
+            shutil.copy(spec_checkpoint / name, draft / name)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected, _ = _run(spec_checkpoint, params)
+    llm = LLM(str(spec_checkpoint), dtype="float32", num_kvcache_blocks=64,
+              speculative_config={"model": str(draft), "num_speculative_tokens": 4})
+    draft_model = llm.llm_engine.speculation.draft_model
+    proposals = []
+    propose = draft_model.propose
+    draft_model.propose = lambda *args: proposals.append(propose(*args)) or proposals[-1]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [e[0] for e in expected]
+    drafted = [t for step in proposals for d in step for t in d]
+    assert drafted and max(drafted) < TINY_CONFIG["vocab_size"]
 
 
 def test_a_draft_model_lets_go_of_aborted_sequences(spec_checkpoint):

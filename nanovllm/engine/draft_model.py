@@ -8,7 +8,8 @@ target appends, the shadow sees it) and keeps the draft's own count of tokens wh
 written and its own block table. A proposal first brings the shadow's KV up to the sequence's
 last token (the tokens accepted since its last proposal; a fresh shadow's whole context, in
 chunks of the token budget) and takes the draft's first token from that step, then runs one
-decode step per further token. The KV the draft wrote for its own drafts counts as computed once
+decode step per further token; a constrained sequence's drafts are chosen among the tokens
+its grammar allows after the drafts before them. The KV the draft wrote for its own drafts counts as computed once
 the target accepts the same tokens there, so a step in which all drafts held recomputes one token.
 A shadow is dropped, its blocks freed, once its sequence is no longer running (finished,
 aborted, preempted); one that comes back catches up again, from the draft's prefix cache.
@@ -19,6 +20,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_output import grammar_bitmask
 
 
 def check_same_tokenizer(target, draft, draft_model: str) -> None:
@@ -41,10 +43,12 @@ class DraftShadow(Sequence):
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, num_kvcache_blocks: int):
+    def __init__(self, config: EngineConfig, num_kvcache_blocks: int, target_vocab_size: int):
         """`config`: the draft's engine config; its KV cache holds `num_kvcache_blocks` blocks (the
-        target's count: the draft never holds more tokens than the target does, drafts aside)."""
+        target's count: the draft never holds more tokens than the target does, drafts aside).
+        `target_vocab_size`: the target's logits' width, which a draft's tokens stay within."""
         config.num_kvcache_blocks = num_kvcache_blocks
+        self.target_vocab_size = target_vocab_size
         self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.runner = ModelRunner(config)
@@ -66,11 +70,18 @@ class DraftModel:
                 rooms.append(room)
         if not shadows:
             return drafts
-        self._catch_up([shadow for _, shadow in shadows], [drafts[i] for i, _ in shadows])
+        grammars = [wanted[i][0].grammar for i, _ in shadows]
+        self._catch_up([shadow for _, shadow in shadows], [drafts[i] for i, _ in shadows], grammars)
         for step in range(1, max(rooms)):
-            active = [(i, shadow) for (i, shadow), room in zip(shadows, rooms) if room > step]
-            batch = ScheduledBatch([shadow for _, shadow in active], [1] * len(active), [drafts[i] for i, _ in active])
-            for (i, shadow), token in zip(active, self.runner.greedy_next(batch)):
+            # A constrained sequence drafts on while its grammar can follow (not past its end).
+            active = [(i, shadow, grammar) for (i, shadow), room, grammar in zip(shadows, rooms, grammars)
+                      if room > step and (grammar is None or grammar.valid_prefix(drafts[i]) == step)]
+            if not active:
+                break
+            batch = ScheduledBatch([shadow for _, shadow, _ in active], [1] * len(active),
+                                   [drafts[i] for i, _, _ in active])
+            allowed = self._allowed([grammar for *_, grammar in active], [drafts[i] for i, _, _ in active])
+            for (i, shadow, _), token in zip(active, self.runner.greedy_next(batch, allowed)):
                 shadow.num_computed_tokens += 1
                 drafts[i].append(token)
         for i, shadow in shadows:
@@ -79,7 +90,7 @@ class DraftModel:
             shadow.num_computed_tokens = shadow.num_tokens
             self.block_manager.cache_full_blocks(shadow)
         # The draft's vocabulary may be padded past the target's: such a token ends the draft.
-        return [d[:next((j for j, t in enumerate(d) if t >= self.vocab_size), len(d))] for d in drafts]
+        return [d[:next((j for j, t in enumerate(d) if t >= self.target_vocab_size), len(d))] for d in drafts]
 
     def release(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq.seq_id, None)
@@ -114,22 +125,31 @@ class DraftModel:
         uncached = shadow.num_tokens - shadow.num_computed_tokens - len(cached) * self.block_manager.block_size
         return self.block_manager.allocate(shadow, uncached + room - 1, cached)
 
-    def _catch_up(self, shadows: list[DraftShadow], drafts: list[list[int]]) -> None:
+    def _allowed(self, grammars: list, drafts: list[list[int]]):
+        """The grammars' bitmasks after each sequence's drafts so far; None if none is constrained."""
+        if all(grammar is None for grammar in grammars):
+            return None
+        return grammar_bitmask([grammar.after(draft) if grammar is not None else None
+                                for grammar, draft in zip(grammars, drafts)], self.vocab_size)
+
+    def _catch_up(self, shadows: list[DraftShadow], drafts: list[list[int]], grammars: list) -> None:
         """Compute each shadow's KV up to its sequence's last token, in steps of at most the token
-        budget; the step that reaches a sequence's last token gives its first draft."""
-        pending = list(zip(shadows, drafts))
+        budget; the step that reaches a sequence's last token gives its first draft (within its
+        grammar, if constrained)."""
+        pending = list(zip(shadows, drafts, grammars))
         while pending:
             budget, batch, chunks = self.max_num_batched_tokens, [], []
-            for shadow, draft in pending:
+            for shadow, draft, grammar in pending:
                 n = min(shadow.num_tokens - shadow.num_computed_tokens, budget)
                 if n == 0:
                     break
-                batch.append((shadow, draft))
+                batch.append((shadow, draft, grammar))
                 chunks.append(n)
                 budget -= n
-            tokens = self.runner.greedy_next(ScheduledBatch([shadow for shadow, _ in batch], chunks))
-            for (shadow, draft), n, token in zip(batch, chunks, tokens):
+            allowed = self._allowed([grammar for *_, grammar in batch], [[] for _ in batch])
+            tokens = self.runner.greedy_next(ScheduledBatch([shadow for shadow, *_ in batch], chunks), allowed)
+            for (shadow, draft, _), n, token in zip(batch, chunks, tokens):
                 shadow.num_computed_tokens += n
                 if shadow.num_computed_tokens == shadow.num_tokens:
                     draft.append(token)
-            pending = [(shadow, draft) for shadow, draft in pending if not draft]
+            pending = [entry for entry in pending if not entry[1]]

@@ -55,7 +55,7 @@ class LLMEngine:
         self.speculation = None
         if config.speculative_config is not None:
             with startup_phase("draft model"):
-                draft_model = DraftModel(draft, self.executor.num_kvcache_blocks) if draft is not None else None
+                draft_model = DraftModel(draft, self.executor.num_kvcache_blocks, self.vocab_size) if draft is not None else None
             self.speculation = Speculation(config.speculative_config, config.max_model_len, draft_model)
         self.block_manager = BlockManager(self.executor.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, self.executor.kv_sliding_window)

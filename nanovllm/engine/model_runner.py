@@ -195,12 +195,15 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def greedy_next(self, batch: ScheduledBatch) -> list[int]:
+    def greedy_next(self, batch: ScheduledBatch, allowed: torch.Tensor | None = None) -> list[int]:
         """A draft model's step: run the batch and return each sequence's most likely next token
-        after its last row (its drafts so far included)."""
+        after its last row (its drafts so far included), among the tokens `allowed` gives it (a
+        grammar bitmask a sequence, as grammar_bitmask makes them) where given."""
         hidden = self._forward(batch)
         last_rows = np.cumsum(batch.num_new_tokens) - 1
         logits = self.model.compute_logits(hidden[to_device(last_rows, torch.long, hidden.device)])
+        if allowed is not None:
+            self.sampler.ops.mask_disallowed(logits, to_device(allowed, torch.int32, logits.device))
         return logits.argmax(dim=-1).tolist()
 
     def _pool(self, batch: ScheduledBatch, hidden: torch.Tensor) -> PoolerOutput:
