@@ -43,15 +43,15 @@ class DraftShadow(Sequence):
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, num_kvcache_blocks: int, target_vocab_size: int):
-        """`config`: the draft's engine config; its KV cache holds `num_kvcache_blocks` blocks (the
-        target's count: the draft never holds more tokens than the target does, drafts aside).
+    def __init__(self, config: EngineConfig, target_kvcache_blocks: int, target_vocab_size: int):
+        """`config`: the draft's engine config; its KV cache takes what memory allows, up to the
+        target's `target_kvcache_blocks` (the draft never holds more tokens than the target does,
+        drafts aside; with fewer, some sequences go without drafts while the pool is short).
         `target_vocab_size`: the target's logits' width, which a draft's tokens stay within."""
-        config.num_kvcache_blocks = num_kvcache_blocks
         self.target_vocab_size = target_vocab_size
         self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, max_kvcache_blocks=target_kvcache_blocks)
         self.vocab_size = config.hf_config.vocab_size
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, self.runner.kv_sliding_window)

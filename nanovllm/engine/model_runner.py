@@ -35,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp_group: TPGroup = SINGLE):
+    def __init__(self, config: EngineConfig, tp_group: TPGroup = SINGLE, max_kvcache_blocks: int | None = None):
+        """`max_kvcache_blocks`: at most this many KV blocks, whatever memory allows (a draft model's
+        cache needs no more than its target's)."""
         self.config = config
+        self.max_kvcache_blocks = max_kvcache_blocks
         self.tp_group = tp_group
         self.device = torch.device(config.device)
         self.block_size = config.kvcache_block_size
@@ -115,6 +118,8 @@ class ModelRunner:
             # No point holding more than max_num_seqs full-length sequences can use (and a small
             # model on a large GPU would otherwise get millions of blocks, each a Python object).
             num_blocks = min(budget // per_block, config.max_num_seqs * -(-config.max_model_len // self.block_size))
+        if self.max_kvcache_blocks is not None:
+            num_blocks = min(num_blocks, self.max_kvcache_blocks)
         # Ranks may see different free memory; all must agree (and fail alike below).
         num_blocks = self.tp_group.min_over_ranks(num_blocks)
         needed = -(-config.max_model_len // self.block_size)
