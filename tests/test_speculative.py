@@ -151,7 +151,8 @@ def _run(checkpoint, params, speculative_config=None, prompts=PROMPTS, **engine)
     draft_model = llm.llm_engine.speculation and llm.llm_engine.speculation.draft_model
     if draft_model:  # the draft's own KV cache too, no larger than the target's
         assert draft_model.block_manager.num_blocks == manager.num_blocks
-        assert not draft_model.shadows and draft_model.block_manager.num_free_blocks == draft_model.block_manager.num_blocks
+        draft_blocks = draft_model.block_manager
+        assert not draft_model.shadows and draft_blocks.num_free_blocks == draft_blocks.num_blocks
         draft_model.block_manager.check_invariants([])
     return [(c.token_ids, c.text, c.finish_reason, c.logprobs) for o in outputs for c in o.outputs], llm
 

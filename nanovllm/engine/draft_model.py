@@ -9,8 +9,9 @@ written and its own block table. A proposal first brings the shadow's KV up to t
 last token (the tokens accepted since its last proposal; a fresh shadow's whole context, in
 chunks of the token budget) and takes the draft's first token from that step, then runs one
 decode step per further token; a constrained sequence's drafts are chosen among the tokens
-its grammar allows after the drafts before them. The KV the draft wrote for its own drafts counts as computed once
-the target accepts the same tokens there, so a step in which all drafts held recomputes one token.
+its grammar allows after the drafts before them. The KV the draft wrote for its own drafts
+counts as computed once the target accepts the same tokens there, so a step in which all drafts
+held recomputes two tokens (the last draft and the target's token after it).
 A shadow is dropped, its blocks freed, once its sequence is no longer running (finished,
 aborted, preempted); one that comes back catches up again, from the draft's prefix cache.
 """
@@ -27,8 +28,8 @@ def check_same_tokenizer(target, draft, draft_model: str) -> None:
     """A draft's tokens are the target's token ids: both must map text to ids alike."""
     if target.get_vocab() != draft.get_vocab():
         raise ValueError(f"speculative_config.model {draft_model!r} has another tokenizer than the target model "
-                         f"(vocabularies of {len(draft.get_vocab())} and {len(target.get_vocab())} tokens that differ); "
-                         "a draft model must share the target's tokenizer")
+                         f"(vocabularies of {len(draft.get_vocab())} and {len(target.get_vocab())} tokens that "
+                         "differ); a draft model must share the target's tokenizer")
 
 
 class DraftShadow(Sequence):
@@ -37,8 +38,7 @@ class DraftShadow(Sequence):
     def __init__(self, target: Sequence):
         super().__init__([], None)
         self.token_ids = target.token_ids  # shared: the target's accepted tokens appear here as they come
-        # Where the draft last wrote KV for its own drafts: (first position, the drafted tokens there).
-        self.drafted_at = 0
+        # The drafts whose KV the draft wrote after its last proposal, from num_computed_tokens on.
         self.drafted_kv: list[int] = []
 
 
@@ -72,22 +72,31 @@ class DraftModel:
             return drafts
         grammars = [wanted[i][0].grammar for i, _ in shadows]
         self._catch_up([shadow for _, shadow in shadows], [drafts[i] for i, _ in shadows], grammars)
+        # Each constrained sequence's grammar after its drafts so far (a copy: the sequence's own
+        # moves with accepted tokens only), advanced a token a step; None once a draft left it
+        # (past the grammar's end), which ends that sequence's drafting.
+        states = [grammar.after(drafts[i]) if grammar is not None and grammar.valid_prefix(drafts[i]) else None
+                  for (i, _), grammar in zip(shadows, grammars)]
         for step in range(1, max(rooms)):
-            # A constrained sequence drafts on while its grammar can follow (not past its end).
-            active = [(i, shadow, grammar) for (i, shadow), room, grammar in zip(shadows, rooms, grammars)
-                      if room > step and (grammar is None or grammar.valid_prefix(drafts[i]) == step)]
+            active = [k for k, room in enumerate(rooms)
+                      if room > step and (grammars[k] is None or states[k] is not None)]
             if not active:
                 break
-            batch = ScheduledBatch([shadow for _, shadow, _ in active], [1] * len(active),
-                                   [drafts[i] for i, _, _ in active])
-            allowed = self._allowed([grammar for *_, grammar in active], [drafts[i] for i, _, _ in active])
-            for (i, shadow, _), token in zip(active, self.runner.greedy_next(batch, allowed)):
+            batch = ScheduledBatch([shadows[k][1] for k in active], [1] * len(active),
+                                   [drafts[shadows[k][0]] for k in active])
+            allowed = grammar_bitmask([states[k] for k in active], self.vocab_size)
+            for k, token in zip(active, self.runner.greedy_next(batch, allowed)):
+                i, shadow = shadows[k]
                 shadow.num_computed_tokens += 1
                 drafts[i].append(token)
+                if states[k] is not None:
+                    if states[k].valid_prefix([token]):
+                        states[k].advance(token)
+                    else:
+                        states[k] = None
         for i, shadow in shadows:
             # KV at the drafts' positions counts once the target accepts the same tokens there.
-            shadow.drafted_at, shadow.drafted_kv = shadow.num_tokens, drafts[i][:-1]
-            shadow.num_computed_tokens = shadow.num_tokens
+            shadow.num_computed_tokens, shadow.drafted_kv = shadow.num_tokens, drafts[i][:-1]
             self.block_manager.cache_full_blocks(shadow)
         # The draft's vocabulary may be padded past the target's: such a token ends the draft.
         return [d[:next((j for j, t in enumerate(d) if t >= self.target_vocab_size), len(d))] for d in drafts]
@@ -98,6 +107,8 @@ class DraftModel:
             self.block_manager.free(shadow)
 
     def _retain(self, running: list[Sequence]) -> None:
+        if not self.shadows:
+            return
         keep = {seq.seq_id for seq in running}
         for seq_id in [i for i in self.shadows if i not in keep]:
             self.block_manager.free(self.shadows.pop(seq_id))
@@ -109,7 +120,7 @@ class DraftModel:
         elif shadow.drafted_kv:
             # The target's tokens that equal the draft's own drafts, where the draft wrote their KV;
             # the last token is always computed again (its row gives the first draft).
-            start, accepted = shadow.drafted_at, 0
+            start, accepted = shadow.num_computed_tokens, 0
             for token in shadow.drafted_kv:
                 if start + accepted >= shadow.num_tokens - 1 or shadow.token_ids[start + accepted] != token:
                     break
@@ -125,13 +136,6 @@ class DraftModel:
         uncached = shadow.num_tokens - shadow.num_computed_tokens - len(cached) * self.block_manager.block_size
         return self.block_manager.allocate(shadow, uncached + room - 1, cached)
 
-    def _allowed(self, grammars: list, drafts: list[list[int]]):
-        """The grammars' bitmasks after each sequence's drafts so far; None if none is constrained."""
-        if all(grammar is None for grammar in grammars):
-            return None
-        return grammar_bitmask([grammar.after(draft) if grammar is not None else None
-                                for grammar, draft in zip(grammars, drafts)], self.vocab_size)
-
     def _catch_up(self, shadows: list[DraftShadow], drafts: list[list[int]], grammars: list) -> None:
         """Compute each shadow's KV up to its sequence's last token, in steps of at most the token
         budget; the step that reaches a sequence's last token gives its first draft (within its
@@ -146,7 +150,7 @@ class DraftModel:
                 batch.append((shadow, draft, grammar))
                 chunks.append(n)
                 budget -= n
-            allowed = self._allowed([grammar for *_, grammar in batch], [[] for _ in batch])
+            allowed = grammar_bitmask([grammar for *_, grammar in batch], self.vocab_size)
             tokens = self.runner.greedy_next(ScheduledBatch([shadow for shadow, *_ in batch], chunks), allowed)
             for (shadow, draft, _), n, token in zip(batch, chunks, tokens):
                 shadow.num_computed_tokens += n

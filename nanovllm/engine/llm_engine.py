@@ -54,8 +54,10 @@ class LLMEngine:
         # Speculative decoding's drafts and their bookkeeping, if the engine speculates.
         self.speculation = None
         if config.speculative_config is not None:
-            with startup_phase("draft model"):
-                draft_model = DraftModel(draft, self.executor.num_kvcache_blocks, self.vocab_size) if draft is not None else None
+            draft_model = None
+            if draft is not None:
+                with startup_phase("draft model"):
+                    draft_model = DraftModel(draft, self.executor.num_kvcache_blocks, self.vocab_size)
             self.speculation = Speculation(config.speculative_config, config.max_model_len, draft_model)
         self.block_manager = BlockManager(self.executor.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching, self.executor.kv_sliding_window)

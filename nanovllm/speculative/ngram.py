@@ -1,7 +1,8 @@
 """Prompt-lookup n-gram drafts (vLLM's `ngram` method): the tokens that followed the most recent
-earlier occurrence of the context's last n tokens (that has a whole draft after it), for the longest n in [min_n, max_n] that
-occurs earlier. Text that copies from its prompt or repeats itself (edits, extraction, quoting)
-is drafted well; anything else gets no draft, at the cost of one vectorised search a step."""
+earlier occurrence of the context's last n tokens (that has a whole draft after it), for the
+longest n in [min_n, max_n] that occurs earlier. Text that copies from its prompt or repeats
+itself (edits, extraction, quoting) is drafted well; anything else gets no draft, at the cost of
+one vectorised search a step."""
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
