@@ -549,9 +549,18 @@ inline Words load_words(const int16_t* p) {
 }
 // No sum of two products overflows: |w| <= 128 and |x| <= 32767.
 #if defined(NANOVLLM_SIMD_AVX512)
-inline Sums dot(Words w, Words x) {
-  return {_mm256_dpwssd_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi)};
+// The VNNI multiply-adds s + (a . b) written out: GCC 12 gives the intrinsics' 256-bit forms only
+// registers 0-15, so a tile's sums, kept in 16-31, were copied in and out around every product
+// (two moves an instruction). As EVEX instructions they take any of the 32.
+inline __m256i dpwssd(__m256i s, __m256i a, __m256i b) {
+  __asm__("vpdpwssd %2, %1, %0" : "+v"(s) : "v"(a), "v"(b));
+  return s;
 }
+inline __m256i dpbusd(__m256i s, __m256i unsigned_bytes, __m256i signed_bytes) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(s) : "v"(unsigned_bytes), "v"(signed_bytes));
+  return s;
+}
+inline Sums dot(Words w, Words x) { return {dpwssd(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi)}; }
 #else
 inline Sums dot(Words w, Words x) { return {_mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi))}; }
 #endif
@@ -615,7 +624,7 @@ inline Words look_up(Words w, const uint8_t* table) { return {look_up(w.lo, tabl
 // s plus the quad's products with its 64 words of x (laid out as the quad is).
 #if defined(NANOVLLM_SIMD_AVX512)
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
-  for (int k = 0; k < 4; k++) s.v = _mm256_dpwssd_epi32(s.v, q.v[k], _mm256_loadu_si256((const __m256i*)x + k));
+  for (int k = 0; k < 4; k++) s.v = dpwssd(s.v, q.v[k], _mm256_loadu_si256((const __m256i*)x + k));
   return s;
 }
 #else
@@ -645,7 +654,7 @@ inline void store_quad(int16_t* p, Quad q) {
 }
 // s plus w's products with x's vector (lane l: the pair of words 2l, 2l + 1).
 #if defined(NANOVLLM_SIMD_AVX512)
-inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {_mm256_dpwssd_epi32(s.v, w.v, x.v)}; }
+inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {dpwssd(s.v, w.v, x.v)}; }
 #else
 inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {_mm256_add_epi32(s.v, _mm256_madd_epi16(w.v, x.v))}; }
 #endif
@@ -667,8 +676,9 @@ inline ByteVector broadcast_quad(const uint8_t* p) {
 }
 inline ByteSums zero_byte_sums() { return {_mm256_setzero_si256()}; }
 #if defined(NANOVLLM_SIMD_AVX512)
-inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) { return {_mm256_dpbusd_epi32(s.v, w.v, x.v)}; }
+inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) { return {dpbusd(s.v, w.v, x.v)}; }
 inline Sums widen_byte_sums(ByteSums p, Sums s) { return {_mm256_add_epi32(s.v, p.v)}; }
+inline ByteSums add_byte_sums(ByteSums a, ByteSums b) { return {_mm256_add_epi32(a.v, b.v)}; }
 // Quads of weights up to max_weight (with |x| <= 127) a ByteSums takes before it must be widened.
 inline constexpr int byte_quads_per_widen(int) { return 1 << 16; }
 #else
@@ -678,6 +688,7 @@ inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) {
 inline Sums widen_byte_sums(ByteSums p, Sums s) {
   return {_mm256_add_epi32(s.v, _mm256_madd_epi16(p.v, _mm256_set1_epi16(1)))};
 }
+inline ByteSums add_byte_sums(ByteSums a, ByteSums b) { return {_mm256_add_epi16(a.v, b.v)}; }
 // A 16-bit half takes two products a quad, each at most max_weight x 127 in magnitude: exact (no
 // saturation, no wrap) while the quads' sum stays within 32767.
 inline constexpr int byte_quads_per_widen(int max_weight) { return 32767 / (2 * 127 * max_weight); }
@@ -1044,6 +1055,7 @@ inline Sums widen_byte_sums(ByteSums p, Sums s) {
   for (int i = 0; i < 8; i++) s.v[i] += p.v[i];
   return s;
 }
+inline ByteSums add_byte_sums(ByteSums a, ByteSums b) { return widen_byte_sums(a, b); }
 inline constexpr int byte_quads_per_widen(int) { return 1 << 16; }
 struct ByteQuad {
   ByteVector lo, hi;
