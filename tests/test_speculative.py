@@ -10,6 +10,7 @@ import pytest
 
 from conftest import make_tiny_checkpoint, requires_default_model
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine.draft_model import DraftModel
 from nanovllm.speculative.config import SpeculativeConfig
 from nanovllm.speculative.ngram import NgramProposer
 from nanovllm.speculative.suffix import SuffixProposer
@@ -148,8 +149,8 @@ def _run(checkpoint, params, speculative_config=None, prompts=PROMPTS, **engine)
     manager = llm.llm_engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks  # nothing leaked, drafts' blocks included
     manager.check_invariants([])
-    draft_model = llm.llm_engine.speculation and llm.llm_engine.speculation.draft_model
-    if draft_model:  # the draft's own KV cache too, no larger than the target's
+    draft_model = llm.llm_engine.speculation and llm.llm_engine.speculation.drafter
+    if isinstance(draft_model, DraftModel):  # the draft's own KV cache too, no larger than the target's
         assert draft_model.block_manager.num_blocks == manager.num_blocks
         draft_blocks = draft_model.block_manager
         assert not draft_model.shadows and draft_blocks.num_free_blocks == draft_blocks.num_blocks
@@ -294,12 +295,14 @@ def test_a_draft_models_padded_vocabulary_never_reaches_the_target(spec_checkpoi
     expected, _ = _run(spec_checkpoint, params)
     llm = LLM(str(spec_checkpoint), dtype="float32", num_kvcache_blocks=64,
               speculative_config={"model": str(draft), "num_speculative_tokens": 4})
-    draft_model = llm.llm_engine.speculation.draft_model
-    proposals = []
-    propose = draft_model.propose
+    draft_model = llm.llm_engine.speculation.drafter
+    proposals, raw = [], []  # what the engine got, and what the draft's model gave
+    propose, greedy_next = draft_model.propose, draft_model.runner.greedy_next
     draft_model.propose = lambda *args: proposals.append(propose(*args)) or proposals[-1]
+    draft_model.runner.greedy_next = lambda *args: raw.append(greedy_next(*args)) or raw[-1]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [e[0] for e in expected]
+    assert max(t for step in raw for t in step) >= TINY_CONFIG["vocab_size"]  # padded ids were drafted
     drafted = [t for step in proposals for d in step for t in d]
     assert drafted and max(drafted) < TINY_CONFIG["vocab_size"]
 
@@ -308,7 +311,7 @@ def test_a_draft_model_lets_go_of_aborted_sequences(spec_checkpoint):
     llm = LLM(str(spec_checkpoint), dtype="float32", num_kvcache_blocks=64,
               speculative_config=_config("draft_model", spec_checkpoint))
     engine = llm.llm_engine
-    draft = engine.speculation.draft_model
+    draft = engine.speculation.drafter
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     while len(draft.shadows) < 2:

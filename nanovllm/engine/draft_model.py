@@ -101,7 +101,8 @@ class DraftModel:
         # The draft's vocabulary may be padded past the target's: such a token ends the draft.
         return [d[:next((j for j, t in enumerate(d) if t >= self.target_vocab_size), len(d))] for d in drafts]
 
-    def release(self, seq: Sequence) -> None:
+    def finished(self, seq: Sequence) -> None:
+        """`seq` ended: its shadow's blocks go back."""
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.block_manager.free(shadow)

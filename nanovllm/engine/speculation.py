@@ -34,8 +34,24 @@ the proposer's search.
 from nanovllm.engine.draft_model import DraftModel
 from nanovllm.engine.sequence import Sequence
 from nanovllm.speculative.config import SpeculativeConfig
+from nanovllm.speculative.ngram import NgramProposer
+from nanovllm.speculative.suffix import SuffixProposer
 
 MAX_DRAFT_PAUSE = 16
+
+
+class TokenProposerDrafts:
+    """Drafts from a proposer over each sequence's own tokens (ngram, suffix), with the interface
+    a draft model has: propose for every drafting sequence of a step, hear of each that ended."""
+
+    def __init__(self, proposer: NgramProposer | SuffixProposer):
+        self.proposer = proposer
+
+    def propose(self, wanted: list[tuple[Sequence, int]], running: list[Sequence]) -> list[list[int]]:
+        return [self.proposer.propose(seq.token_ids, room) for seq, room in wanted]
+
+    def finished(self, seq: Sequence) -> None:
+        self.proposer.finish(seq.completion_token_ids)  # the proposer may learn from it (suffix decoding)
 
 
 class Speculation:
@@ -43,8 +59,7 @@ class Speculation:
         """`draft_model`: for method "draft_model", the draft's runner; else the config's proposer drafts."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = config.proposer()
-        self.draft_model = draft_model
+        self.drafter = draft_model if draft_model is not None else TokenProposerDrafts(config.proposer())
         # vLLM's counters: drafts proposed (sequences that drafted in a step), drafted tokens,
         # accepted tokens, and accepted tokens by their place in the draft.
         self.num_drafts = 0
@@ -70,11 +85,8 @@ class Speculation:
             room = min(room, self.config.num_speculative_tokens if asked is None else asked)
             if room > 0:
                 wanted.append((seq, room))
-        if self.draft_model is not None:
-            proposals = self.draft_model.propose(wanted, running)  # it also lets go of sequences no longer running
-        else:
-            proposals = [self.proposer.propose(seq.token_ids, room) for seq, room in wanted]
-        for (seq, _), drafts in zip(wanted, proposals):
+        # A draft model also lets go here of sequences no longer running.
+        for (seq, _), drafts in zip(wanted, self.drafter.propose(wanted, running)):
             # A constrained sequence's draft is cut at the first token its grammar rejects.
             seq.draft_token_ids = drafts[:seq.grammar.valid_prefix(drafts)] if seq.grammar is not None else drafts
 
@@ -95,11 +107,8 @@ class Speculation:
             seq.draft_pause = min(2 ** (seq.draft_misses - 1), MAX_DRAFT_PAUSE)
 
     def finished(self, seq: Sequence) -> None:
-        """A sequence ended: the proposer may learn from its output (suffix decoding's cache)."""
-        if self.draft_model is not None:
-            self.draft_model.release(seq)
-        else:
-            self.proposer.finish(seq.completion_token_ids)
+        """A sequence ended: a proposer may learn from its output, a draft model frees its KV."""
+        self.drafter.finished(seq)
 
     def metrics(self) -> dict:
         """vLLM's counters, and what its logs derive from them: the share of drafted tokens

@@ -678,7 +678,6 @@ inline ByteSums zero_byte_sums() { return {_mm256_setzero_si256()}; }
 #if defined(NANOVLLM_SIMD_AVX512)
 inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) { return {dpbusd(s.v, w.v, x.v)}; }
 inline Sums widen_byte_sums(ByteSums p, Sums s) { return {_mm256_add_epi32(s.v, p.v)}; }
-inline ByteSums add_byte_sums(ByteSums a, ByteSums b) { return {_mm256_add_epi32(a.v, b.v)}; }
 // Quads of weights up to max_weight (with |x| <= 127) a ByteSums takes before it must be widened.
 inline constexpr int byte_quads_per_widen(int) { return 1 << 16; }
 #else
@@ -688,7 +687,6 @@ inline ByteSums dot_bytes(ByteVector w, ByteVector x, ByteSums s) {
 inline Sums widen_byte_sums(ByteSums p, Sums s) {
   return {_mm256_add_epi32(s.v, _mm256_madd_epi16(p.v, _mm256_set1_epi16(1)))};
 }
-inline ByteSums add_byte_sums(ByteSums a, ByteSums b) { return {_mm256_add_epi16(a.v, b.v)}; }
 // A 16-bit half takes two products a quad, each at most max_weight x 127 in magnitude: exact (no
 // saturation, no wrap) while the quads' sum stays within 32767.
 inline constexpr int byte_quads_per_widen(int max_weight) { return 32767 / (2 * 127 * max_weight); }
@@ -1055,7 +1053,6 @@ inline Sums widen_byte_sums(ByteSums p, Sums s) {
   for (int i = 0; i < 8; i++) s.v[i] += p.v[i];
   return s;
 }
-inline ByteSums add_byte_sums(ByteSums a, ByteSums b) { return widen_byte_sums(a, b); }
 inline constexpr int byte_quads_per_widen(int) { return 1 << 16; }
 struct ByteQuad {
   ByteVector lo, hi;
