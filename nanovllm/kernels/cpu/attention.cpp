@@ -191,8 +191,9 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
   for (int64_t t0 = first / 16 * 16; t0 <= last; t0 += 16) {
     const BFloat16* keys = pg.block(k_cache, t0) + (t0 % bs) * 2;
     const BFloat16* values = pg.block(v_cache, t0) + (t0 % bs) * D;
-    // Blocks sit anywhere in memory: fetch the next tile while on this one, a key line and a
-    // value line per key line read (a burst of requests at once would be mostly dropped).
+    // Blocks sit anywhere in memory: fetch the next tile into L2 while on this one, a key line
+    // and a value line per key line read (a burst of requests at once would be mostly dropped;
+    // into L1, a tile's 2 x D / 2 lines outran its misses in flight: benchmarks/RESULTS.md).
     const int64_t next = std::min(t0 + 16, last);
     const char* next_keys = (const char*)(pg.block(k_cache, next) + (next % bs) * 2);
     const char* next_values = (const char*)(pg.block(v_cache, next) + (next % bs) * D);
@@ -204,8 +205,8 @@ void attend_rows_bf16(const Row<BFloat16>* rows, const BFloat16* k_cache, const 
     for (int dp0 = 0; dp0 < D / 2; dp0 += P) {
       for (int p = 0; p < P; p++) {
         const int dp = dp0 + p;
-        simd::prefetch(next_keys + dp * bs * 4);
-        simd::prefetch(next_values + dp * 64);
+        simd::prefetch_to_l2(next_keys + dp * bs * 4);
+        simd::prefetch_to_l2(next_values + dp * 64);
         const simd::Pairs k = simd::load_pairs(keys + dp * bs * 2);
         for (int r = 0; r < NR; r++) part[r][p] = simd::dot(part[r][p], k, simd::broadcast(query[r][dp]));
       }
