@@ -912,8 +912,10 @@ int64_t block_rows(int64_t N, int64_t K, int64_t tile_rows) {
 
 // A block of a lanes format's rows decoded: the values of group g of row r as 256 words at
 // values[(r * groups + g) * 256] (the lanes layout: chunk l's values 2v and 2v + 1 are words
-// 16v + 2l and 16v + 2l + 1), or as bytes, chunk c of row r's 32 values plus F::kByteBias in
-// order at bytes[(r * 8 groups + c) * 32]; kHalves scale vectors then one of offsets at
+// 16v + 2l and 16v + 2l + 1), or as bytes (plus F::kByteBias), chunk c of row r's 32 at
+// bytes[(r * 8 groups + c) * 32] as eight quads in simd::ByteQuad's order (decoded straight from
+// the lanes layout as the decode kernel reads them; the integer sums are exact, so x's quads in
+// the same order give the same sums as any order); kHalves scale vectors then one of offsets at
 // scales[(r * groups + g) * kStride]; the row's tail chunks (Lanes<Base>'s last K % 256 values)
 // as Base's chunks give them. In a task's buffers (DecodeBuffers, sized for any format). Rows
 // past the block's end keep what an earlier block left (or zeros): tiles compute them and store
@@ -937,15 +939,13 @@ struct DecodedRows {
       const uint8_t* row = w + r * w_stride;
       for (int64_t g = 0; g < groups; g++) {
         const uint8_t* group = row + g * F::kGroupBytes;
-        simd::Quad quads[4];
-        for (int j = 0; j < 4; j++) quads[j] = F::quad(group + F::kHeaderBytes, j);
         if constexpr (kBytes) {
-          Words chunks[8];
-          simd::quads_to_chunks(quads, chunks);
-          for (int l = 0; l < 8; l++)
-            simd::store_biased_bytes(chunks[l], F::kByteBias, bytes + ((r * groups + g) * 8 + l) * 32);
+          simd::ByteQuad quads[4];
+          for (int j = 0; j < 4; j++) quads[j] = F::byte_quad(group + F::kHeaderBytes, j);
+          simd::store_quads_by_chunk(quads, bytes + (r * groups + g) * 256);
         } else {
-          for (int j = 0; j < 4; j++) simd::store_quad(values + (r * groups + g) * 256 + 64 * j, quads[j]);
+          for (int j = 0; j < 4; j++)
+            simd::store_quad(values + (r * groups + g) * 256 + 64 * j, F::quad(group + F::kHeaderBytes, j));
         }
         float* s = scales + (r * groups + g) * kStride;
         const Vec8 d = F::scales(group);
@@ -993,9 +993,9 @@ struct DecodeBuffers {
 // x's rows as the tiles take them, in tiles of 16 rows (rows past M are zeros): for each tile and
 // chunk, the chunk's scales and sums by row, and its values as the products read them: `pairs`,
 // its 16 pairs of words in turn, each as the 16 rows' pairs (rows 0-7 a vector, 8-15 the next);
-// `quads` (where x meets bytes: x.byte_products), its 8 quads of bytes in turn, each as the 16
-// rows' quads, with the integer sum of each half of the chunk by row (what a weight's byte bias
-// adds to the products).
+// `quads` (where x meets bytes: x.byte_products), its 8 quads of bytes in the decoded weights'
+// order (DecodedRows: simd::ByteQuad's), each as the 16 rows' quads, with the integer sum of each
+// half of the chunk by row (what a weight's byte bias adds to the products).
 struct TiledX {
   int64_t tiles, chunks;
   std::vector<int16_t> pairs;      // [tile][chunk][pair][row][2], where asked for
@@ -1014,13 +1014,15 @@ struct TiledX {
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; m++) {
         const int64_t i = m % 16;
-        if (with_quads)  // a group's quad q of its eight chunks from its vectors 2q and 2q + 1 at once
+        if (with_quads)  // a group's quads 2j and 2j + 1 of its eight chunks from its quad of vectors j at once
           for (int64_t g = 0; g < chunks / 8; g++) {
             const int64_t at = m / 16 * chunks + 8 * g;
-            for (int q = 0; q < 8; q++) {
-              int8_t lanes[32];
-              simd::store_byte_vector(lanes, simd::pair_quads(x.values(m, 8 * g) + 32 * q));
-              for (int l = 0; l < 8; l++) std::memcpy(&quads[(at + l) * 512 + 64 * q + 4 * i], lanes + 4 * l, 4);
+            for (int j = 0; j < 4; j++) {
+              int8_t lanes[64];  // ByteQuad's two vectors: the chunks' quads 2j and 2j + 1
+              simd::store_byte_quad(lanes, simd::load_quad(x.values(m, 8 * g) + 64 * j));
+              for (int q = 0; q < 2; q++)
+                for (int l = 0; l < 8; l++)
+                  std::memcpy(&quads[(at + l) * 512 + 64 * (2 * j + q) + 4 * i], lanes + 32 * q + 4 * l, 4);
             }
             for (int h = 0; h < 2; h++)
               for (int l = 0; l < 8; l++) half_sums[((at + l) * 2 + h) * 16 + i] = x.group_half_sums(m, g, h)[l];

@@ -655,6 +655,11 @@ inline Vector16 broadcast_pair(const int16_t* p) {
 inline void store_quad(int16_t* p, Quad q) {
   for (int k = 0; k < 4; k++) _mm256_storeu_si256((__m256i*)p + k, q.v[k]);
 }
+inline Quad load_quad(const int16_t* p) {
+  Quad q;
+  for (int k = 0; k < 4; k++) q.v[k] = _mm256_loadu_si256((const __m256i*)p + k);
+  return q;
+}
 // s plus w's products with x's vector (lane l: the pair of words 2l, 2l + 1).
 #if defined(NANOVLLM_SIMD_AVX512)
 inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) { return {dpwssd(s.v, w.v, x.v)}; }
@@ -734,16 +739,6 @@ inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs,
   q.hi.v = _mm256_or_si256(q.hi.v, bits(2, 6));
   return q;
 }
-// Two vectors of a group's words (|x| <= 127; lane l a pair of chunk l's values) as one of bytes
-// whose lane l holds the first's pair then the second's: four consecutive values of chunk l.
-inline ByteVector pair_quads(const int16_t* p) {
-  const __m256i low = _mm256_set1_epi32(0xff), second = _mm256_set1_epi32(0xff00);
-  const auto two = [&](__m256i v) {  // a lane's two words' low bytes as its bytes 0 and 1
-    return _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi32(v, 8), second));
-  };
-  const __m256i* v = (const __m256i*)p;
-  return {_mm256_or_si256(two(_mm256_loadu_si256(v)), _mm256_slli_epi32(two(_mm256_loadu_si256(v + 1)), 16))};
-}
 inline void store_byte_vector(int8_t* p, ByteVector b) { _mm256_storeu_si256((__m256i*)p, b.v); }
 // x's quad (words of at most 127 in magnitude) as ByteQuad's 64 bytes, lo then hi.
 inline void store_byte_quad(int8_t* p, Quad q) {
@@ -757,12 +752,6 @@ inline void store_byte_quad(int8_t* p, Quad q) {
 inline Sums load_sums(const int32_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
 inline Sums times(Sums x, int32_t k) { return {_mm256_mullo_epi32(x.v, _mm256_set1_epi32(k))}; }
 inline Sums sub_sums(Sums a, Sums b) { return {_mm256_sub_epi32(a.v, b.v)}; }
-// The 32 values plus `bias` as unsigned bytes, in order (each must then lie in 0-255).
-inline void store_biased_bytes(Words w, int16_t bias, uint8_t* out) {
-  const __m256i b = _mm256_set1_epi16(bias);
-  const __m256i packed = _mm256_packus_epi16(_mm256_add_epi16(w.lo, b), _mm256_add_epi16(w.hi, b));
-  _mm256_storeu_si256((__m256i*)out, _mm256_permute4x64_epi64(packed, 0xd8));  // packus interleaves halves
-}
 // Eight rows of eight 32-bit lanes transposed.
 inline void transpose8(const __m256i* in, __m256i* out) {
   __m256 t[8], u[8];
@@ -782,6 +771,14 @@ inline void transpose8(const __m256i* in, __m256i* out) {
     out[c] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
     out[c + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
   }
+}
+// A group's four ByteQuads stored chunk by chunk: lane l of each of their eight vectors (lo, hi,
+// lo, ..) is a quad of chunk l's values, which go to out + 32 l in the vectors' order.
+inline void store_quads_by_chunk(const ByteQuad q[4], uint8_t* out) {
+  __m256i in[8], chunks[8];
+  for (int j = 0; j < 4; j++) in[2 * j] = q[j].lo.v, in[2 * j + 1] = q[j].hi.v;
+  transpose8(in, chunks);
+  for (int l = 0; l < 8; l++) _mm256_storeu_si256((__m256i*)(out + 32 * l), chunks[l]);
 }
 // A group's four quads back in chunk order: chunk c's 32 values as Words (vector r's lane c is
 // its values 2r and 2r + 1, so the chunks are the columns of the vectors' 32-bit lanes).
@@ -1029,6 +1026,11 @@ inline Vector16 broadcast_pair(const int16_t* p) {
   return w;
 }
 inline void store_quad(int16_t* p, Quad q) { std::memcpy(p, q.v, 128); }
+inline Quad load_quad(const int16_t* p) {
+  Quad q;
+  std::memcpy(q.v, p, 128);
+  return q;
+}
 inline Sums dot_vector(Vector16 w, Vector16 x, Sums s) {
   for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(w.v[i]) * x.v[i];
   return s;
@@ -1076,12 +1078,6 @@ inline ByteQuad five_bit_byte_quad(const uint8_t* nibbles, const uint8_t* fifth_
 inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs, int first) {
   return quad_bytes(six_bit_quad(nibbles, crumbs, first), 32);
 }
-inline ByteVector pair_quads(const int16_t* p) {
-  ByteVector b;
-  for (int l = 0; l < 8; l++)
-    for (int k = 0; k < 4; k++) b.v[4 * l + k] = int8_t(p[16 * (k / 2) + 2 * l + k % 2]);
-  return b;
-}
 inline void store_byte_vector(int8_t* p, ByteVector b) { std::memcpy(p, b.v, 32); }
 inline void store_byte_quad(int8_t* p, Quad q) {
   const ByteQuad b = quad_bytes(q, 0);
@@ -1101,8 +1097,12 @@ inline Sums sub_sums(Sums a, Sums b) {
   for (int i = 0; i < 8; i++) a.v[i] -= b.v[i];
   return a;
 }
-inline void store_biased_bytes(Words w, int16_t bias, uint8_t* out) {
-  for (int i = 0; i < 32; i++) out[i] = uint8_t(w.v[i] + bias);
+inline void store_quads_by_chunk(const ByteQuad q[4], uint8_t* out) {
+  for (int j = 0; j < 4; j++)
+    for (int l = 0; l < 8; l++) {
+      std::memcpy(out + 32 * l + 8 * j, q[j].lo.v + 4 * l, 4);
+      std::memcpy(out + 32 * l + 8 * j + 4, q[j].hi.v + 4 * l, 4);
+    }
 }
 inline void quads_to_chunks(const Quad q[4], Words out[8]) {
   for (int c = 0; c < 8; c++)
