@@ -282,6 +282,15 @@ def test_rms_norm_matches_the_layer_in_eager(shape):
     assert_matches_eager(out, ref)
     assert_matches_eager(norm.forward_cpu(x), ref_plain)
     assert_matches_eager(norm.forward_cpu(x.transpose(0, -1).contiguous().transpose(0, -1)), ref_plain)  # strided
+    # Rows read in place from a wider tensor (a step's qkv rows: a token's heads back to back, the
+    # tokens a row apart, as the q/k norms take them): the same bits as the contiguous rows.
+    rows = x.reshape(-1, shape[-1]) if len(shape) == 2 else x.reshape(shape[0], -1)
+    wide = torch.cat([rows, torch.randn(rows.shape[0], 64, generator=gen).bfloat16()], dim=1)
+    in_place = wide[:, :rows.shape[1]].view(shape)
+    assert shape[0] == 1 or not in_place.is_contiguous()
+    assert torch.equal(norm.forward_cpu(in_place), norm.forward_cpu(x))
+    out_in_place, summed_in_place = norm.forward_cpu(in_place, residual)
+    assert torch.equal(out_in_place, out) and torch.equal(summed_in_place, summed)
 
 
 def _pool_inputs() -> list[tuple]:

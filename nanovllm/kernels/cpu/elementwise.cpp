@@ -8,7 +8,6 @@
 #include "thread_pool.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,12 +18,29 @@ namespace {
 
 using simd::Vec;
 
-// Rows of x viewed as [rows, width]; x made contiguous first if it is not.
+// Rows of x viewed as [rows, width], read in place where its rows lie in runs of back-to-back
+// rows (a run: all of x's rows where it is contiguous; a token's heads where x is [T, H, D] sliced
+// from a step's qkv rows), else from a contiguous copy. The copy is an ATen op on OpenMP's
+// threads, which must first win a core from this pool's (benchmarks/RESULTS.md): a decode step's
+// q/k norm pays that for a few kilobytes.
 struct RowsView {
   at::Tensor x;
-  int64_t rows, width;
-  explicit RowsView(const at::Tensor& t) : x(t.contiguous()), width(t.size(-1)) {
+  int64_t rows, width, run = 1, run_stride = 0;
+  explicit RowsView(const at::Tensor& t) : x(t), width(t.size(-1)) {
     rows = width == 0 ? 0 : x.numel() / width;
+    if (x.is_contiguous()) {
+      run = std::max<int64_t>(rows, 1);
+    } else if (x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == width) {
+      run = std::max<int64_t>(x.size(1), 1), run_stride = x.stride(0);
+    } else if (x.dim() == 2 && x.stride(1) == 1) {
+      run_stride = x.stride(0);
+    } else {
+      x = x.contiguous();
+      run = std::max<int64_t>(rows, 1);
+    }
+  }
+  const BFloat16* row(int64_t r) const {
+    return x.data_ptr<BFloat16>() + (r / run) * run_stride + (r % run) * width;
   }
 };
 
@@ -45,11 +61,10 @@ at::Tensor gated(const at::Tensor& x, const char* name, Act act) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = I;
   at::Tensor out = at::empty(shape, x.options());
-  const BFloat16* src = in.x.data_ptr<BFloat16>();
   BFloat16* dst = out.data_ptr<BFloat16>();
   parallel_for(0, in.rows, rows_grain(in.width), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; row++) {
-      const BFloat16* gate = src + row * 2 * I;
+      const BFloat16* gate = in.row(row);
       for (int64_t i = 0; i < I; i += 16) {
         const Vec activated = act(simd::load_bf16(gate + i, I - i));
         simd::store_bf16(dst + row * I + i, simd::mul(simd::round_bf16(activated), simd::load_bf16(gate + I + i, I - i)),
@@ -89,12 +104,11 @@ void rms_norm_rows(const RowsView& in, const BFloat16* residual, const at::Tenso
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.numel() == in.width,
               "rms_norm: a bf16 weight of the last dim's size");
   const int64_t H = in.width;
-  const BFloat16* src = in.x.data_ptr<BFloat16>();
   const BFloat16* w = weight.data_ptr<BFloat16>();
   BFloat16* dst = out.data_ptr<BFloat16>();
   parallel_for(0, in.rows, rows_grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; row++) {
-      const BFloat16* x = src + row * H;
+      const BFloat16* x = in.row(row);
       if (residual != nullptr) {  // the sum first, stored: the norm reads it back from L1
         for (int64_t i = 0; i < H; i += 16)
           simd::store_bf16(summed + row * H + i,
@@ -120,7 +134,7 @@ void rms_norm_rows(const RowsView& in, const BFloat16* residual, const at::Tenso
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: bf16");
   const RowsView in(x);
-  at::Tensor out = at::empty_like(in.x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
   rms_norm_rows(in, nullptr, weight, eps, out, nullptr);
   return out;
 }
@@ -131,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                   residual.sizes() == x.sizes(), "add_rms_norm: bf16 x and residual of one shape");
   const RowsView in(x);
   const at::Tensor res = residual.contiguous();
-  at::Tensor out = at::empty_like(in.x), summed = at::empty_like(in.x);
+  at::Tensor out = at::empty(x.sizes(), x.options()), summed = at::empty(x.sizes(), x.options());
   rms_norm_rows(in, res.data_ptr<BFloat16>(), weight, eps, out, summed.data_ptr<BFloat16>());
   return {out, summed};
 }
