@@ -27,16 +27,15 @@ struct RowsView {
   at::Tensor x;
   int64_t rows, width, run = 1, run_stride = 0;
   explicit RowsView(const at::Tensor& t) : x(t), width(t.size(-1)) {
+    const bool heads_in_runs = x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == width;
+    const bool rows_apart = x.dim() == 2 && x.stride(1) == 1;
+    if (!x.is_contiguous() && !heads_in_runs && !rows_apart) x = x.contiguous();
     rows = width == 0 ? 0 : x.numel() / width;
     if (x.is_contiguous()) {
       run = std::max<int64_t>(rows, 1);
-    } else if (x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == width) {
-      run = std::max<int64_t>(x.size(1), 1), run_stride = x.stride(0);
-    } else if (x.dim() == 2 && x.stride(1) == 1) {
-      run_stride = x.stride(0);
     } else {
-      x = x.contiguous();
-      run = std::max<int64_t>(rows, 1);
+      run = heads_in_runs ? std::max<int64_t>(x.size(1), 1) : 1;
+      run_stride = x.stride(0);
     }
   }
   const BFloat16* row(int64_t r) const {

@@ -739,7 +739,6 @@ inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs,
   q.hi.v = _mm256_or_si256(q.hi.v, bits(2, 6));
   return q;
 }
-inline void store_byte_vector(int8_t* p, ByteVector b) { _mm256_storeu_si256((__m256i*)p, b.v); }
 // x's quad (words of at most 127 in magnitude) as ByteQuad's 64 bytes, lo then hi.
 inline void store_byte_quad(int8_t* p, Quad q) {
   const __m256i low = _mm256_set1_epi16(0x00ff);
@@ -1078,7 +1077,6 @@ inline ByteQuad five_bit_byte_quad(const uint8_t* nibbles, const uint8_t* fifth_
 inline ByteQuad six_bit_byte_quad(const uint8_t* nibbles, const uint8_t* crumbs, int first) {
   return quad_bytes(six_bit_quad(nibbles, crumbs, first), 32);
 }
-inline void store_byte_vector(int8_t* p, ByteVector b) { std::memcpy(p, b.v, 32); }
 inline void store_byte_quad(int8_t* p, Quad q) {
   const ByteQuad b = quad_bytes(q, 0);
   std::memcpy(p, b.lo.v, 32);
