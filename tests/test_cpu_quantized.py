@@ -25,7 +25,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import cpu as cpu_kernels
 from nanovllm.entrypoints.bench_twins import TwinShape
 from nanovllm.layers.quantization.cpu_gguf import (LANES_TYPE_BASE, CPUGGUFLinearMethod, CPUGGUFPartsLinearMethod,
-                                                   kernel_blocks)
+                                                   activation_bits, kernel_blocks)
 from nanovllm.loader.quantized import BLOCK_TYPES, QuantizedTensor, block_values
 
 if not cpu_kernels.available():
@@ -125,7 +125,7 @@ def test_lanes_layout_is_the_blocks(qtype, in_features):
                        reference_dequantize(blocks, qtype, in_features))
     for m in (1, 2, 5, 10, 40):  # streaming in one pass, in two; tiled
         x = torch.randn(m, in_features, generator=torch.Generator().manual_seed(m))
-        for bits in (8, 16):  # 8: the K-quants' byte products, words for the rest
+        for bits in (8, 16):  # 8: byte products where the values fit a byte (a tail's chunks in words)
             got = torch.ops.nanovllm_cpu.gguf_linear(x, lanes, kind, None, 10, bits)
             assert_near_reference(got, reference_product(x, blocks, qtype, in_features, bits))
     with pytest.raises(RuntimeError, match=f"type {BLOCK_TYPES[qtype]} is not a lanes layout"):
@@ -150,6 +150,18 @@ def test_the_method_repacks_into_lanes(qtype, in_features):
                           reference_product(x, blocks, qtype, in_features, method.activation_bits))
     ids = torch.tensor([5, 0, 7])
     torch.testing.assert_close(method.embed(layer, ids), reference_dequantize(blocks, qtype, in_features)[ids])
+
+
+def test_activation_bits_by_the_layers_types_and_role():
+    """8 bits where every type is a K-quant or IQ4_XS; on an MLP's gate/up projection also in
+    Q4_0 (mixed with K-quants too); 16 elsewhere, and for the other 32-value formats."""
+    assert activation_bits(["Q4_K", "Q6_K"]) == activation_bits(["IQ4_XS"]) == 8
+    assert activation_bits(["Q4_0"]) == 16 and activation_bits(["Q4_0"], gate_up=True) == 8
+    assert activation_bits(["Q4_K", "Q4_0"]) == 16 and activation_bits(["Q4_K", "Q4_0"], gate_up=True) == 8
+    for qtype in ("Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
+        assert activation_bits([qtype], gate_up=True) == activation_bits(["Q4_K", qtype], gate_up=True) == 16
+    assert CPUGGUFLinearMethod("Q4_0", torch.bfloat16, gate_up=True).activation_bits == 8
+    assert CPUGGUFPartsLinearMethod({0: "Q4_K", 1: "Q4_0"}, torch.bfloat16, gate_up=True).activation_bits == 8
 
 
 def test_parts_of_differing_types_are_each_parts_product():

@@ -8,9 +8,9 @@
 // Every step multiplies as llama.cpp does, in integers: each row of x is quantized once to blocks
 // of 32 with an fp32 scale (and its sum, for the formats with an offset), and each 32 values of a
 // weight row, widened to 16-bit integers, meet it in integer dot products scaled in fp32 by both
-// blocks' scales. x takes the bits its caller asks for (activation_bits): 16, or 8 where a
-// layer's types are ones llama.cpp meets with coarser 8-bit blocks (the K-quants: the caller's
-// choice, layers/quantization/cpu_gguf.py), on which both kernels multiply bytes (kByteProducts).
+// blocks' scales. x takes the bits its caller asks for (activation_bits): 16, or 8 (the caller's
+// choice by the layer's types and role, layers/quantization/cpu_gguf.py), on which both kernels
+// multiply bytes where the weight's values fit one (kByteProducts: the 4- to 6-bit formats).
 // A few rows of x (decode) stream each weight row from its blocks once (streaming_linear): the
 // weight leaves memory once at its own size (0.56-1.06 bytes a value), the point of a quantized
 // file on a CPU. Many rows (prefill, a batch) decode blocks of weight rows into cache and tile
@@ -79,7 +79,9 @@ struct Q4_0 {
   static constexpr bool kWholeRow = false;
   static constexpr int kScaleBytes = 2, kFifthBitBytes = 0;
   static constexpr float kZeroPoint = 8.0f;
+  static constexpr int kByteMax = 15, kByteBias = 0;  // the byte tiles' weights (ByteProducts)
   static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) { return simd::nibble_byte_quad(values + 32 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = simd::two_halves_at(b).first;
@@ -94,7 +96,9 @@ struct Q4_1 {
   static constexpr bool kWholeRow = false;
   static constexpr int kScaleBytes = 4, kFifthBitBytes = 0;  // the scale, then the minimum
   static constexpr float kZeroPoint = 0.0f;
+  static constexpr int kByteMax = 15, kByteBias = 0;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) { return simd::nibble_byte_quad(values + 32 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const auto [d, m] = simd::two_halves_at(b);
@@ -112,7 +116,11 @@ struct Q5_0 {
   static constexpr bool kWholeRow = false;
   static constexpr int kScaleBytes = 2, kFifthBitBytes = 4;
   static constexpr float kZeroPoint = 16.0f;
+  static constexpr int kByteMax = 31, kByteBias = 0;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) {
+    return simd::five_bit_byte_quad(values + 32 * j, values + 128, j);
+  }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = simd::two_halves_at(b).first;
@@ -127,7 +135,11 @@ struct Q5_1 {
   static constexpr bool kWholeRow = false;
   static constexpr int kScaleBytes = 4, kFifthBitBytes = 4;
   static constexpr float kZeroPoint = 0.0f;
+  static constexpr int kByteMax = 31, kByteBias = 0;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) {
+    return simd::five_bit_byte_quad(values + 32 * j, values + 128, j);
+  }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const auto [d, m] = simd::two_halves_at(b);
@@ -260,8 +272,16 @@ struct IQ4_XS {
 // ids (kLanesTypeBase + the base's) are this project's, and layers/quantization/cpu_gguf.py names
 // them too (LANES_TYPE_BASE).
 constexpr int kLanesTypeBase = 1000;
+// A lanes group's values as bytes, where its base format's values fit one unsigned (ByteProducts).
+template <class B, class = void>
+struct LanesBytes {};
 template <class B>
-struct Lanes {
+struct LanesBytes<B, std::void_t<decltype(B::kByteMax)>> {
+  static constexpr int kByteMax = B::kByteMax, kByteBias = B::kByteBias;
+  static simd::ByteQuad byte_quad(const uint8_t* values, int j) { return B::byte_quad(values, j); }
+};
+template <class B>
+struct Lanes : LanesBytes<B> {
   using Base = B;
   static constexpr int kType = kLanesTypeBase + Base::kType, kValues = 32, kBytes = Base::kBytes;
   static constexpr bool kScalePer16 = false;
@@ -655,7 +675,8 @@ struct RowSums {
 constexpr int kPrefetchAhead = 2048;
 
 // Whether format F's values plus F::kByteBias fit a byte unsigned (at most F::kByteMax), so that
-// with x of 8 bits its products can be taken a byte each (the K-quants); it has no tail chunks.
+// with x of 8 bits its groups' products can be taken a byte each (the 4- to 6-bit formats; a
+// Lanes<Base> row's tail chunks still take words).
 template <class F, class = void>
 struct HasByteProducts : std::false_type {};
 template <class F>
@@ -888,8 +909,9 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 // element's, so every chunk's integer sums come out in lanes of rows of x and meet their scales
 // as the AMX tiles' do (a chunk's sum in the lane of its chunk modulo 8 of RowSums, vectorised
 // over rows of x), the same operations in the same order as RowSums. Bytes where x has 8 bits
-// and the weight's values fit a byte unsigned (the K-quants: kByteProducts), twice the products an
-// instruction of 16-bit pairs; both sums are exact, so either gives the same bits.
+// and the weight's values fit a byte unsigned (kByteProducts; a Lanes<Base> row's tail chunks
+// take pairs all the same), twice the products an instruction of 16-bit pairs; both sums are
+// exact, so either gives the same bits.
 
 // Weight rows a tile: their sums (two vectors a row), x's two vectors, a broadcast pair and a
 // product fit AVX2's sixteen registers (4 x 2 + 4; with 5 rows GCC spills in the inner loop).
@@ -934,7 +956,7 @@ struct DecodedRows {
   // `rows` rows w_stride bytes apart, their values as bytes (kBytes) or words.
   template <bool kBytes>
   void decode(const uint8_t* w, int64_t w_stride, int64_t rows) {
-    static_assert(!kBytes || (kByteProducts<F> && !F::kTail));
+    static_assert(!kBytes || kByteProducts<F>);
     for (int64_t r = 0; r < rows; r++) {
       const uint8_t* row = w + r * w_stride;
       for (int64_t g = 0; g < groups; g++) {
@@ -992,7 +1014,8 @@ struct DecodeBuffers {
 
 // x's rows as the tiles take them, in tiles of 16 rows (rows past M are zeros): for each tile and
 // chunk, the chunk's scales and sums by row, and its values as the products read them: `pairs`,
-// its 16 pairs of words in turn, each as the 16 rows' pairs (rows 0-7 a vector, 8-15 the next);
+// its 16 pairs of words in turn, each as the 16 rows' pairs (rows 0-7 a vector, 8-15 the next),
+// for a group's chunks where a part multiplies words (`group_pairs`) and for the tail chunks;
 // `quads` (where x meets bytes: x.byte_products), its 8 quads of bytes in the decoded weights'
 // order (DecodedRows: simd::ByteQuad's), each as the 16 rows' quads, with the integer sum of each
 // half of the chunk by row (what a weight's byte bias adds to the products).
@@ -1003,13 +1026,11 @@ struct TiledX {
   std::vector<int32_t> half_sums;  // [tile][chunk][half][row], with the quads
   std::vector<float> scale, sum;   // [tile][chunk][row]
 
-  TiledX(const QuantizedRows& x, int64_t M, bool with_pairs)
-      : tiles((M + 15) / 16), chunks(x.chunks), pairs(with_pairs ? tiles * chunks * 512 : 0),
+  TiledX(const QuantizedRows& x, int64_t M, bool group_pairs)
+      : tiles((M + 15) / 16), chunks(x.chunks), pairs(group_pairs || chunks % 8 ? tiles * chunks * 512 : 0),
         quads(x.byte_products ? tiles * chunks * 512 : 0), half_sums(x.byte_products ? tiles * chunks * 32 : 0),
         scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
     const bool with_quads = x.byte_products;
-    // Byte products are the K-quants' (kByteProducts), whose rows are whole groups.
-    TORCH_INTERNAL_ASSERT(!with_quads || chunks % 8 == 0, "quads of bytes need K in groups");
     const int64_t grouped = x.chunks / 8 * 8;
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; m++) {
@@ -1032,7 +1053,7 @@ struct TiledX {
           // A group's chunk l has pair v at words 16v + 2l; a tail chunk's values are in order.
           const int16_t* from = c < grouped ? x.values(m, c / 8 * 8) + 2 * (c % 8) : x.values(m, c);
           const int64_t step = c < grouped ? 16 : 2;
-          if (with_pairs)
+          if (group_pairs || c >= grouped)
             for (int v = 0; v < 16; v++) std::memcpy(&pairs[at * 512 + 2 * i + 32 * v], from + step * v, 4);
           scale[at * 16 + i] = x.scale[m * chunks + c];
           sum[at * 16 + i] = x.sum[m * chunks + c];
@@ -1096,14 +1117,15 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
   for (auto& lane : acc)
     for (auto& row : lane)
       for (Vec8& a : row) a = simd::zero8();
-  // Chunk c: `pair(r, v)` weight row t + r's pair v of words, `scale(r, h)` its scale for half h.
-  const auto chunk = [&](int64_t c, auto&& pair, auto&& scale) {
+  // Chunk c: `pair(r, v)` weight row t + r's pair v of words, `scale(r, h)` its scale for half h;
+  // from bytes where `bytes` says (a group's chunk under kBytes; a tail chunk takes words).
+  const auto chunk = [&](int64_t c, auto bytes, auto&& pair, auto&& scale) {
     Vec8 xs[kLive];
     for (int i = 0; i < kLive; i++) xs[i] = simd::load8(x.scales(xt, c) + 8 * i);
 #pragma GCC unroll 2
     for (int h = 0; h < kHalves; h++) {
       simd::Sums s[kTileRows][kLive];
-      if constexpr (kBytes) {
+      if constexpr (decltype(bytes)::value) {
         byte_sums<F, kLive>(w, t, x, xt, c, h, s);
       } else {
         const int16_t* xp = x.pairs_of(xt, c);
@@ -1131,10 +1153,10 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
   };
   for (int64_t g = 0; g < w.groups; g++)
     for (int l = 0; l < 8; l++)
-      chunk(8 * g + l, [&](int r, int v) { return w.vectors(t + r, g) + 16 * v + 2 * l; },
+      chunk(8 * g + l, std::bool_constant<kBytes>{}, [&](int r, int v) { return w.vectors(t + r, g) + 16 * v + 2 * l; },
             [&](int r, int h) { return w.scales_of(t + r, g)[8 * h + l]; });
   for (int64_t j = 0; j < w.tail; j++)
-    chunk(8 * w.groups + j, [&](int r, int v) { return w.tail_words(t + r, j) + 2 * v; },
+    chunk(8 * w.groups + j, std::false_type{}, [&](int r, int v) { return w.tail_words(t + r, j) + 2 * v; },
           [&](int r, int) { return w.tail_scales[(t + r) * w.tail + j]; });
   for (int r = 0; r < kTileRows; r++)
     for (int i = 0; i < kLive; i++) {

@@ -70,9 +70,14 @@ class LinearMethodChooser:
         qtypes = {qtype for _, qtype in shards.values()}
         # A packed layer with a part in no block type, or a row-parallel shard narrower than a
         # block, stays dense.
-        whole = (shards.keys() == self.shards_of.get(prefix.rpartition(".")[2], {None})
+        name = prefix.rpartition(".")[2]
+        whole = (shards.keys() == self.shards_of.get(name, {None})
                  and not any(input_size % block_values(qtype) for qtype in qtypes))
-        return self.platform.block_linear_method({shard: qtype for shard, (_, qtype) in shards.items()}) if whole else None
+        if not whole:
+            return None
+        # Every family names its MLP's packed gate and up projections so (vLLM's naming).
+        return self.platform.block_linear_method({shard: qtype for shard, (_, qtype) in shards.items()},
+                                                 gate_up=name == "gate_up_proj")
 
     def moe_method_for(self, layer: nn.Module, prefix: str, hidden_size: int, intermediate_size: int):
         """The MoE method of FusedMoE `layer` (named `prefix`), whose experts' rows hold `hidden_size`
