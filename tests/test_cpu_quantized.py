@@ -153,15 +153,18 @@ def test_the_method_repacks_into_lanes(qtype, in_features):
 
 
 def test_activation_bits_by_the_layers_types_and_role():
-    """8 bits where every type is a K-quant or IQ4_XS; on an MLP's gate/up projection also in
-    Q4_0 (mixed with K-quants too); 16 elsewhere, and for the other 32-value formats."""
-    assert activation_bits(["Q4_K", "Q6_K"]) == activation_bits(["IQ4_XS"]) == 8
-    assert activation_bits(["Q4_0"]) == 16 and activation_bits(["Q4_0"], gate_up=True) == 8
-    assert activation_bits(["Q4_K", "Q4_0"]) == 16 and activation_bits(["Q4_K", "Q4_0"], gate_up=True) == 8
-    for qtype in ("Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
-        assert activation_bits([qtype], gate_up=True) == activation_bits(["Q4_K", qtype], gate_up=True) == 16
-    assert CPUGGUFLinearMethod("Q4_0", torch.bfloat16, gate_up=True).activation_bits == 8
-    assert CPUGGUFPartsLinearMethod({0: "Q4_K", 1: "Q4_0"}, torch.bfloat16, gate_up=True).activation_bits == 8
+    """8 bits where every type is a K-quant or IQ4_XS; in Q4_0 (mixed with K-quants too) on an
+    MLP's gate/up projection and attention's output; 16 elsewhere, and for the other 32-value
+    formats."""
+    assert activation_bits(["Q4_K", "Q6_K"]) == activation_bits(["IQ4_XS"], "down_proj") == 8
+    for projection in ("gate_up_proj", "o_proj"):
+        assert activation_bits(["Q4_0"], projection) == activation_bits(["Q4_K", "Q4_0"], projection) == 8
+        for qtype in ("Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
+            assert activation_bits([qtype], projection) == activation_bits(["Q4_K", qtype], projection) == 16
+    for projection in ("", "qkv_proj", "down_proj", "lm_head"):
+        assert activation_bits(["Q4_0"], projection) == activation_bits(["Q4_K", "Q4_0"], projection) == 16
+    assert CPUGGUFLinearMethod("Q4_0", torch.bfloat16, "o_proj").activation_bits == 8
+    assert CPUGGUFPartsLinearMethod({0: "Q4_K", 1: "Q4_0"}, torch.bfloat16, "gate_up_proj").activation_bits == 8
 
 
 def test_parts_of_differing_types_are_each_parts_product():

@@ -35,8 +35,8 @@ class BlockExperts(UnquantizedMoEMethod):
 
 
 class BlockMethod(UnquantizedLinearMethod):
-    def __init__(self, shard_types, gate_up):
-        self.shard_types, self.gate_up = shard_types, gate_up
+    def __init__(self, shard_types, projection):
+        self.shard_types, self.projection = shard_types, projection
 
 
 class RecordingPlatform:
@@ -48,9 +48,9 @@ class RecordingPlatform:
     def dense_linear_method(self, batch_invariant=False):
         return InvariantDenseMethod() if batch_invariant else DenseMethod()
 
-    def block_linear_method(self, shard_types, gate_up=False):
+    def block_linear_method(self, shard_types, projection=""):
         self.asked.append(shard_types)
-        return None if "Q2_K" in shard_types.values() else BlockMethod(shard_types, gate_up)
+        return None if "Q2_K" in shard_types.values() else BlockMethod(shard_types, projection)
 
     def dense_moe_method(self):
         return DenseExperts()
@@ -79,8 +79,8 @@ def methods_by_name(model) -> dict[str, type]:
 def test_each_layer_takes_the_method_its_checkpoint_tensors_ask_for(caplog):
     """Layer 0 all in blocks (q/k in one type, v in another: the platform hears each shard's);
     layer 1's v in a type the platform does not run, so its packed qkv stays dense; its MLP has no
-    block tensors at all. The untied head multiplies; the embedding only looks rows up. Only the
-    MLP's gate/up projection is told it is one."""
+    block tensors at all. The untied head multiplies; the embedding only looks rows up. Each
+    block method hears which projection it is."""
     layer = "model.layers.{}.{}.weight".format
     block_types = {layer(0, "self_attn.q_proj"): "Q4_K", layer(0, "self_attn.k_proj"): "Q4_K",
                    layer(0, "self_attn.v_proj"): "Q6_K", layer(0, "self_attn.o_proj"): "Q4_K",
@@ -102,8 +102,11 @@ def test_each_layer_takes_the_method_its_checkpoint_tensors_ask_for(caplog):
         "lm_head": DenseMethod}
     qkv = model.model.layers[0].self_attn.qkv_proj.linear_method
     assert qkv.shard_types == {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}
-    told_gate_up = {name for name, m in model.named_modules() if getattr(getattr(m, "linear_method", None), "gate_up", False)}
-    assert told_gate_up == {"model.layers.0.mlp.gate_up_proj"}
+    told = {name: m.linear_method.projection for name, m in model.named_modules()
+            if isinstance(getattr(m, "linear_method", None), BlockMethod)}
+    assert told == {"model.embed_tokens": "embed_tokens", "model.layers.0.self_attn.qkv_proj": "qkv_proj",
+                    "model.layers.0.self_attn.o_proj": "o_proj", "model.layers.0.mlp.gate_up_proj": "gate_up_proj",
+                    "model.layers.0.mlp.down_proj": "down_proj", "model.layers.1.self_attn.o_proj": "o_proj"}
     assert chooser.kept_in_blocks == {n: t for n, t in block_types.items() if not n.startswith("model.layers.1.self_attn.")
                                       or n.endswith("o_proj.weight")}
     assert [r.getMessage() for r in caplog.records] == [

@@ -85,11 +85,12 @@ class Platform:
         platform promises that (the CPU's quantized path)."""
         return UnquantizedLinearMethod()
 
-    def block_linear_method(self, shard_types: dict[object, str], gate_up: bool = False) -> LinearMethod | None:
+    def block_linear_method(self, shard_types: dict[object, str], projection: str = "") -> LinearMethod | None:
         """The linear method that multiplies a layer's weight kept in GGML block types, or None where
         this platform does not (the weight is then dequantized at load). `shard_types`: each
         projection's type by shard id (a packed layer's q/k/v or gate/up), {None: type} unpacked;
-        `gate_up`: the layer is an MLP's gate/up projection (which may take coarser activations)."""
+        `projection`: the layer's name in its block (vLLM's: qkv_proj, o_proj, gate_up_proj,
+        down_proj), by which a platform may choose its activations' precision."""
         return None
 
     def dense_moe_method(self) -> MoEMethod:

@@ -118,7 +118,7 @@ class CPUPlatform(Platform):
             self._packed_bf16 = CPUPackedBF16LinearMethod()
         return self._packed_bf16
 
-    def block_linear_method(self, shard_types: dict[object, str], gate_up: bool = False) -> LinearMethod | None:
+    def block_linear_method(self, shard_types: dict[object, str], projection: str = "") -> LinearMethod | None:
         # Imported here: the block formats' tables come from gguf-py, which only block weights need.
         from nanovllm.layers.quantization.cpu_gguf import CPUGGUFLinearMethod, CPUGGUFPartsLinearMethod
         # Every kernel variant runs the block formats (`none` in plain C++: correct if slow).
@@ -126,8 +126,8 @@ class CPUPlatform(Platform):
             return None
         qtypes = set(shard_types.values())
         if len(qtypes) == 1:
-            return CPUGGUFLinearMethod(qtypes.pop(), self.dtype, gate_up)
-        return CPUGGUFPartsLinearMethod(shard_types, self.dtype, gate_up)
+            return CPUGGUFLinearMethod(qtypes.pop(), self.dtype, projection)
+        return CPUGGUFPartsLinearMethod(shard_types, self.dtype, projection)
 
     def dense_moe_method(self) -> MoEMethod:
         if not self._on_kernels():

@@ -75,9 +75,7 @@ class LinearMethodChooser:
                  and not any(input_size % block_values(qtype) for qtype in qtypes))
         if not whole:
             return None
-        # Every family names its MLP's packed gate and up projections so (vLLM's naming).
-        return self.platform.block_linear_method({shard: qtype for shard, (_, qtype) in shards.items()},
-                                                 gate_up=name == "gate_up_proj")
+        return self.platform.block_linear_method({shard: qtype for shard, (_, qtype) in shards.items()}, name)
 
     def moe_method_for(self, layer: nn.Module, prefix: str, hidden_size: int, intermediate_size: int):
         """The MoE method of FusedMoE `layer` (named `prefix`), whose experts' rows hold `hidden_size`

@@ -1,7 +1,7 @@
 """The CPU GGUF method: a linear weight kept in its GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) and multiplied by the block kernels (kernels/cpu/quantized.cpp) in integer dot
 products over activations quantized to blocks of 32 values (8 or 16 bits, by the layer's types
-and, for the 32-value formats, whether it is an MLP's gate/up projection: activation_bits): few rows streaming each weight row from its blocks, more rows in tiles over
+and, for Q4_0, which projection of its block it is: activation_bits): few rows streaming each weight row from its blocks, more rows in tiles over
 weight rows decoded a block at a time into cache, every output element the same bits either way
 (batch invariance).
 
@@ -38,21 +38,22 @@ PARTS_KIND = -2
 # bits: llama.cpp's x for them (Q8_0/Q8_1) has these very blocks, and our bf16 hidden states would
 # put 8 bits past its KL (benchmarks/RESULTS.md).
 EIGHT_BIT_ACTIVATION_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
-# Q4_0, whose prompts the 16-bit tiles leave short of their floor against llama.cpp: on an MLP's
-# gate/up projection alone, the largest product of a layer, 8-bit x (the byte tiles' twice the
-# products) stays within llama.cpp's KL and top-1 agreement on the shipped text; on q/k/v as well
-# it does not. Q4_1, Q5_0 and Q5_1 meet their floors in 16 bits and keep them: on the default
-# model (Q4_1) 8 bits there put bf16 past test_cpu_bf16's bound (benchmarks/RESULTS.md).
-EIGHT_BIT_GATE_UP_TYPES = frozenset({"Q4_0"})
+# Q4_0, whose prompts the 16-bit tiles leave short of their floor against llama.cpp, takes 8-bit x
+# (the byte tiles' twice the products) on the projections where it stays within llama.cpp's KL
+# and top-1 agreement on the shipped text: the MLP's gate/up (the largest product of a layer) and
+# attention's output; on q/k/v or the MLP's down as well it does not. Q4_1, Q5_0 and Q5_1 meet
+# their floors in 16 bits and keep them: on the default model (Q4_1) 8 bits on gate/up put bf16
+# past test_cpu_bf16's bound (benchmarks/RESULTS.md).
+EIGHT_BIT_Q4_0_PROJECTIONS = frozenset({"gate_up_proj", "o_proj"})
 
 
-def activation_bits(qtypes, gate_up: bool = False) -> int:
-    """The bits x is quantized to for a layer whose weight comes in `qtypes` (`gate_up`: an MLP's
-    gate/up projection)."""
+def activation_bits(qtypes, projection: str = "") -> int:
+    """The bits x is quantized to for a layer whose weight comes in `qtypes`; `projection`: the
+    layer's name in its block (vLLM's: qkv_proj, o_proj, gate_up_proj, down_proj)."""
     types = set(qtypes)
     if types <= EIGHT_BIT_ACTIVATION_TYPES:
         return 8
-    return 8 if gate_up and types <= EIGHT_BIT_ACTIVATION_TYPES | EIGHT_BIT_GATE_UP_TYPES else 16
+    return 8 if projection in EIGHT_BIT_Q4_0_PROJECTIONS and types <= EIGHT_BIT_ACTIVATION_TYPES | {"Q4_0"} else 16
 
 
 def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, int]:
@@ -79,11 +80,11 @@ class _BlocksMethod(LinearMethod):
 
 
 class CPUGGUFLinearMethod(_BlocksMethod):
-    def __init__(self, qtype: str, dtype: torch.dtype, gate_up: bool = False):
+    def __init__(self, qtype: str, dtype: torch.dtype, projection: str = ""):
         self.qtype = qtype
         self.kernel_type = BLOCK_TYPES[qtype]  # the layout the blocks are in: the file's until repacked
         self.dtype = dtype  # of activations, and of the rows an embedding looks up
-        self.activation_bits = activation_bits([qtype], gate_up)
+        self.activation_bits = activation_bits([qtype], projection)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         self.in_features = input_size  # a repacked row's bytes may not say it
@@ -128,10 +129,10 @@ class CPUGGUFPartsLinearMethod(_BlocksMethod):
     type is put in the kernels' layout and the runs laid one after another in one byte tensor,
     which `parts` ((rows, type id) a run, in output order) describes."""
 
-    def __init__(self, shard_types: dict[object, str], dtype: torch.dtype, gate_up: bool = False):
+    def __init__(self, shard_types: dict[object, str], dtype: torch.dtype, projection: str = ""):
         self.shard_types = dict(shard_types)
         self.dtype = dtype
-        self.activation_bits = activation_bits(self.shard_types.values(), gate_up)
+        self.activation_bits = activation_bits(self.shard_types.values(), projection)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool) -> None:
         """The loading buffer of blocks, for a packed layer (one with `output_slice`)."""
