@@ -5,8 +5,8 @@ after load.
 The chooser knows the checkpoint's block types (checkpoint tensor name -> GGML type) and the
 model's packed modules, so from a layer's prefix it finds the checkpoint tensors that load into
 it. A layer whose tensors all come in block types takes the platform's block method for them
-(Platform.block_linear_method), where the platform has one and the layer's input width holds
-whole blocks; the rest take the platform's dense method (Platform.dense_linear_method), and
+(Platform.block_linear_method, told too which projection of its block the layer is: the last
+name of its prefix), where the platform has one and the layer's input width holds whole blocks; the rest take the platform's dense method (Platform.dense_linear_method), and
 their tensors are dequantized at load; an embedding that only looks rows up stays plain.
 `kept_in_blocks` then names the tensors the checkpoint yields as blocks.
 
