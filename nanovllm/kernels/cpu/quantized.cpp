@@ -10,7 +10,7 @@
 // weight row, widened to 16-bit integers, meet it in integer dot products scaled in fp32 by both
 // blocks' scales. x takes the bits its caller asks for (activation_bits): 16, or 8 (the caller's
 // choice by the layer's types and role, layers/quantization/cpu_gguf.py), on which both kernels
-// multiply bytes where the weight's values fit one (kByteProducts: the 4- to 6-bit formats).
+// multiply bytes where the format says its values fit one (kByteProducts: Q4_0, Q4_K, Q5_K, Q6_K).
 // A few rows of x (decode) stream each weight row from its blocks once (streaming_linear): the
 // weight leaves memory once at its own size (0.56-1.06 bytes a value), the point of a quantized
 // file on a CPU. Many rows (prefill, a batch) decode blocks of weight rows into cache and tile
@@ -96,9 +96,7 @@ struct Q4_1 {
   static constexpr bool kWholeRow = false;
   static constexpr int kScaleBytes = 4, kFifthBitBytes = 0;  // the scale, then the minimum
   static constexpr float kZeroPoint = 0.0f;
-  static constexpr int kByteMax = 15, kByteBias = 0;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::nibble_quad(values + 32 * j); }
-  static simd::ByteQuad byte_quad(const uint8_t* values, int j) { return simd::nibble_byte_quad(values + 32 * j); }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const auto [d, m] = simd::two_halves_at(b);
@@ -116,11 +114,7 @@ struct Q5_0 {
   static constexpr bool kWholeRow = false;
   static constexpr int kScaleBytes = 2, kFifthBitBytes = 4;
   static constexpr float kZeroPoint = 16.0f;
-  static constexpr int kByteMax = 31, kByteBias = 0;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
-  static simd::ByteQuad byte_quad(const uint8_t* values, int j) {
-    return simd::five_bit_byte_quad(values + 32 * j, values + 128, j);
-  }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const float d = simd::two_halves_at(b).first;
@@ -135,11 +129,7 @@ struct Q5_1 {
   static constexpr bool kWholeRow = false;
   static constexpr int kScaleBytes = 4, kFifthBitBytes = 4;
   static constexpr float kZeroPoint = 0.0f;
-  static constexpr int kByteMax = 31, kByteBias = 0;
   static simd::Quad quad(const uint8_t* values, int j) { return simd::five_bit_quad(values + 32 * j, values + 128, j); }
-  static simd::ByteQuad byte_quad(const uint8_t* values, int j) {
-    return simd::five_bit_byte_quad(values + 32 * j, values + 128, j);
-  }
   template <class Visit>
   static void chunks(const uint8_t* b, int64_t c, Visit&& visit) {
     const auto [d, m] = simd::two_halves_at(b);
@@ -675,7 +665,7 @@ struct RowSums {
 constexpr int kPrefetchAhead = 2048;
 
 // Whether format F's values plus F::kByteBias fit a byte unsigned (at most F::kByteMax), so that
-// with x of 8 bits its groups' products can be taken a byte each (the 4- to 6-bit formats; a
+// with x of 8 bits its groups' products can be taken a byte each (Q4_0, Q4_K, Q5_K, Q6_K; a
 // Lanes<Base> row's tail chunks still take words).
 template <class F, class = void>
 struct HasByteProducts : std::false_type {};

@@ -50,10 +50,8 @@ EIGHT_BIT_Q4_0_PROJECTIONS = frozenset({"gate_up_proj", "o_proj"})
 def activation_bits(qtypes, projection: str = "") -> int:
     """The bits x is quantized to for a layer whose weight comes in `qtypes`; `projection`: the
     layer's name in its block (vLLM's: qkv_proj, o_proj, gate_up_proj, down_proj)."""
-    types = set(qtypes)
-    if types <= EIGHT_BIT_ACTIVATION_TYPES:
-        return 8
-    return 8 if projection in EIGHT_BIT_Q4_0_PROJECTIONS and types <= EIGHT_BIT_ACTIVATION_TYPES | {"Q4_0"} else 16
+    eight_bit = EIGHT_BIT_ACTIVATION_TYPES | ({"Q4_0"} if projection in EIGHT_BIT_Q4_0_PROJECTIONS else set())
+    return 8 if set(qtypes) <= eight_bit else 16
 
 
 def kernel_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tuple[torch.Tensor, int]:
