@@ -674,6 +674,12 @@ struct HasByteProducts<F, std::void_t<decltype(F::kByteMax)>> : std::true_type {
 template <class F>
 constexpr bool kByteProducts = HasByteProducts<F>::value;
 
+// Whether the row kernel's sums for P rows of x take their products in more than one chain each:
+// with VNNI's multiply-adds (simd::kProductsChain) a row's sums otherwise wait on each product's
+// latency, which few rows of x leave idle. Integer sums: the totals are the same in any order.
+template <int P>
+constexpr bool kShortChains = simd::kProductsChain && P < 4;
+
 // s[m][h] = the integer sums of group g of a weight row (its quads at `values`) with x row m0 + m's,
 // from bytes: each of the weight's ByteQuads decoded once for the P rows, its products gathered
 // in ByteSums widened as often as they must to stay exact, the byte bias taken off through x's
@@ -684,22 +690,26 @@ __attribute__((always_inline)) inline void byte_group_sums(const uint8_t* values
   constexpr int kVectors = 8 / kHalves;  // a half's byte vectors, two a quad
   constexpr int kRun = std::min(kVectors, simd::byte_quads_per_widen(F::kByteMax));
   static_assert(kRun >= 1 && kVectors % kRun == 0);
+  constexpr int kChains = kShortChains<P> ? 2 : 1;  // a row of x's sums taking products in turn
   simd::ByteQuad quads[4];
   for (int j = 0; j < 4; j++) quads[j] = F::byte_quad(values, j);
   for (int h = 0; h < kHalves; h++) {
     for (int m = 0; m < P; m++) s[m][h] = simd::zero_sums();
     for (int v0 = 0; v0 < kVectors; v0 += kRun) {
-      simd::ByteSums p[P];
-      for (int m = 0; m < P; m++) p[m] = simd::zero_byte_sums();
+      simd::ByteSums p[P][kChains];
+      for (auto& row : p)
+        for (simd::ByteSums& sum : row) sum = simd::zero_byte_sums();
 #pragma GCC unroll 8
       for (int v = v0; v < v0 + kRun; v++) {
         const int j = h * kVectors / 2 + v / 2;
         const simd::ByteVector wv = v % 2 ? quads[j].hi : quads[j].lo;
 #pragma GCC unroll 8
         for (int m = 0; m < P; m++)
-          p[m] = simd::dot_bytes(wv, simd::load_byte_vector(x.group_bytes(m0 + m, g) + 64 * j + 32 * (v % 2)), p[m]);
+          p[m][v % kChains] = simd::dot_bytes(
+              wv, simd::load_byte_vector(x.group_bytes(m0 + m, g) + 64 * j + 32 * (v % 2)), p[m][v % kChains]);
       }
-      for (int m = 0; m < P; m++) s[m][h] = simd::widen_byte_sums(p[m], s[m][h]);
+      for (int m = 0; m < P; m++)
+        for (int c = 0; c < kChains; c++) s[m][h] = simd::widen_byte_sums(p[m][c], s[m][h]);
     }
     if constexpr (F::kByteBias != 0)
       for (int m = 0; m < P; m++)
@@ -735,7 +745,13 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
           const simd::Quad quad = F::quad(group + F::kHeaderBytes, j);
           const int h = kHalves == 2 ? j / 2 : 0;
 #pragma GCC unroll 8
-          for (int m = 0; m < P; m++) s[m][h] = simd::dot_quad(quad, x.values(m0 + m, 8 * g) + 64 * j, s[m][h]);
+          for (int m = 0; m < P; m++) {
+            const int16_t* xq = x.values(m0 + m, 8 * g) + 64 * j;
+            if constexpr (kShortChains<P>)  // each quad's products a chain of their own
+              s[m][h] = simd::add_sums(s[m][h], simd::dot_quad(quad, xq, simd::zero_sums()));
+            else
+              s[m][h] = simd::dot_quad(quad, xq, s[m][h]);
+          }
         }
       }
       Vec8 d[kHalves];

@@ -630,7 +630,11 @@ inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   for (int k = 0; k < 4; k++) s.v = dpwssd(s.v, q.v[k], _mm256_loadu_si256((const __m256i*)x + k));
   return s;
 }
+// Whether dot_quad and dot_bytes add into their sums in the multiply itself (VNNI), so that sums
+// taking products one after another wait on its latency each time.
+constexpr bool kProductsChain = true;
 #else
+constexpr bool kProductsChain = false;
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   const __m256i* xv = (const __m256i*)x;
   const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(q.v[0], _mm256_loadu_si256(xv)),
@@ -751,6 +755,7 @@ inline void store_byte_quad(int8_t* p, Quad q) {
 inline Sums load_sums(const int32_t* p) { return {_mm256_loadu_si256((const __m256i*)p)}; }
 inline Sums times(Sums x, int32_t k) { return {_mm256_mullo_epi32(x.v, _mm256_set1_epi32(k))}; }
 inline Sums sub_sums(Sums a, Sums b) { return {_mm256_sub_epi32(a.v, b.v)}; }
+inline Sums add_sums(Sums a, Sums b) { return {_mm256_add_epi32(a.v, b.v)}; }
 // Eight rows of eight 32-bit lanes transposed.
 inline void transpose8(const __m256i* in, __m256i* out) {
   __m256 t[8], u[8];
@@ -1011,6 +1016,7 @@ inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
     for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(q.v[k][i]) * x[16 * k + i];
   return s;
 }
+constexpr bool kProductsChain = false;
 struct Vector16 {
   int16_t v[16];
 };
@@ -1093,6 +1099,10 @@ inline Sums times(Sums x, int32_t k) {
 }
 inline Sums sub_sums(Sums a, Sums b) {
   for (int i = 0; i < 8; i++) a.v[i] -= b.v[i];
+  return a;
+}
+inline Sums add_sums(Sums a, Sums b) {
+  for (int i = 0; i < 8; i++) a.v[i] += b.v[i];
   return a;
 }
 inline void store_quads_by_chunk(const ByteQuad q[4], uint8_t* out) {
