@@ -660,9 +660,11 @@ struct RowSums {
   float total() const { return simd::reduce_add8(simd::add8(acc, offsets)) + tail_offsets; }
 };
 
-// Bytes ahead of a group that lanes_dot_rows prefetches: the hardware prefetcher alone leaves one
-// thread's stream from memory short of the bandwidth (benchmarks/RESULTS.md).
-constexpr int kPrefetchAhead = 2048;
+// Bytes ahead of a group that lanes_dot_rows prefetches into L1, and further ahead into L2: the
+// hardware prefetcher alone leaves one thread's stream from memory short of the bandwidth, and
+// L1's few misses in flight cap what the near prefetch alone keeps coming; the far one, held in
+// L2's deeper queue, turns the near one's misses into L2 hits (benchmarks/RESULTS.md).
+constexpr int kPrefetchAhead = 2048, kPrefetchToL2Ahead = 8192;
 
 // Whether format F's values plus F::kByteBias fit a byte unsigned (at most F::kByteMax), so that
 // with x of 8 bits its groups' products can be taken a byte each (Q4_0, Q4_K, Q5_K, Q6_K; a
@@ -733,7 +735,10 @@ void lanes_dot_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K,
     RowSums sums[P];
     for (int64_t g = 0; g < groups; g++) {
       const uint8_t* group = row + g * F::kGroupBytes;
-      for (int line = 0; line < F::kGroupBytes; line += 64) simd::prefetch(group + kPrefetchAhead + line);
+      for (int line = 0; line < F::kGroupBytes; line += 64) {
+        simd::prefetch(group + kPrefetchAhead + line);
+        simd::prefetch_to_l2(group + kPrefetchToL2Ahead + line);
+      }
       simd::Sums s[P][kHalves];
       if constexpr (kBytes) {
         byte_group_sums<F, P, kHalves>(group + F::kHeaderBytes, x, m0, g, s);

@@ -53,8 +53,9 @@ inline constexpr float kExpLow = -87.0f, kExpHigh = 89.0f, kLog2e = 1.4426950408
 inline constexpr float kExpPoly[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
 
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
-// Into L2 only (prefetcht1): for scattered streams whose lines outnumber L1's misses in flight,
-// which L2's deeper queue keeps going (paged attention's blocks: benchmarks/RESULTS.md).
+// Into L2 only (prefetcht1): for streams whose lines in flight outnumber L1's misses, which L2's
+// deeper queue keeps going (paged attention's blocks, the row kernel's far prefetch:
+// benchmarks/RESULTS.md).
 inline void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #if defined(NANOVLLM_SIMD_AVX512)
