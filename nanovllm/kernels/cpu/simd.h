@@ -52,6 +52,14 @@ using at::BFloat16;
 inline constexpr float kExpLow = -87.0f, kExpHigh = 89.0f, kLog2e = 1.44269504089f, kLn2 = 0.693147180560f;
 inline constexpr float kExpPoly[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
 
+// Whether dot_quad and dot_bytes add into their sums in the multiply itself (VNNI: the avx512
+// variant), so that sums taking products one after another wait on its latency each time.
+#if defined(NANOVLLM_SIMD_AVX512)
+inline constexpr bool kProductsChain = true;
+#else
+inline constexpr bool kProductsChain = false;
+#endif
+
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 // Into L2 only (prefetcht1): for streams whose lines in flight outnumber L1's misses, which L2's
 // deeper queue keeps going (paged attention's blocks, the row kernel's far prefetch:
@@ -631,11 +639,7 @@ inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   for (int k = 0; k < 4; k++) s.v = dpwssd(s.v, q.v[k], _mm256_loadu_si256((const __m256i*)x + k));
   return s;
 }
-// Whether dot_quad and dot_bytes add into their sums in the multiply itself (VNNI), so that sums
-// taking products one after another wait on its latency each time.
-constexpr bool kProductsChain = true;
 #else
-constexpr bool kProductsChain = false;
 inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
   const __m256i* xv = (const __m256i*)x;
   const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(q.v[0], _mm256_loadu_si256(xv)),
@@ -1017,7 +1021,6 @@ inline Sums dot_quad(Quad q, const int16_t* x, Sums s) {
     for (int i = 0; i < 16; i++) s.v[i / 2] += int32_t(q.v[k][i]) * x[16 * k + i];
   return s;
 }
-constexpr bool kProductsChain = false;
 struct Vector16 {
   int16_t v[16];
 };

@@ -6,8 +6,9 @@ The chooser knows the checkpoint's block types (checkpoint tensor name -> GGML t
 model's packed modules, so from a layer's prefix it finds the checkpoint tensors that load into
 it. A layer whose tensors all come in block types takes the platform's block method for them
 (Platform.block_linear_method, told too which projection of its block the layer is: the last
-name of its prefix), where the platform has one and the layer's input width holds whole blocks; the rest take the platform's dense method (Platform.dense_linear_method), and
-their tensors are dequantized at load; an embedding that only looks rows up stays plain.
+name of its prefix), where the platform has one and the layer's input width holds whole blocks;
+the rest take the platform's dense method (Platform.dense_linear_method), and their tensors are
+dequantized at load; an embedding that only looks rows up stays plain.
 `kept_in_blocks` then names the tensors the checkpoint yields as blocks.
 
 A mixture of experts' FusedMoE layer asks for its MoE method the same way (`moe_method_for`):
