@@ -1169,17 +1169,30 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
   for (int64_t j = 0; j < w.tail; j++)
     chunk(8 * w.groups + j, std::false_type{}, [&](int r, int v) { return w.tail_words(t + r, j) + 2 * v; },
           [&](int r, int) { return w.tail_scales[(t + r) * w.tail + j]; });
+  // The offsets' share, lane by lane: a lane's chains for the tile's rows side by side in
+  // registers (each an FMA's latency a group), x's sums loaded once for all the weight rows, then
+  // into the lane's acc as RowSums::total adds them (a tile without offsets adds +0, which leaves
+  // a sum that starts at +0 as it is).
+  if constexpr (F::kOffset)
+    for (int l = 0; l < 8; l++) {
+      Vec8 offsets[kTileRows][kLive];
+      for (auto& row : offsets)
+        for (Vec8& o : row) o = simd::zero8();
+      for (int64_t g = 0; g < w.groups; g++) {
+        Vec8 xsum[kLive];
+        for (int i = 0; i < kLive; i++) xsum[i] = simd::load8(x.sums(xt, 8 * g + l) + 8 * i);
+        for (int r = 0; r < kTileRows; r++) {
+          const Vec8 d = simd::set1_8(w.scales_of(t + r, g)[8 * kHalves + l]);
+          for (int i = 0; i < kLive; i++) offsets[r][i] = simd::fmadd8(d, xsum[i], offsets[r][i]);
+        }
+      }
+      for (int r = 0; r < kTileRows; r++)
+        for (int i = 0; i < kLive; i++) acc[l][r][i] = simd::add8(acc[l][r][i], offsets[r][i]);
+    }
   for (int r = 0; r < kTileRows; r++)
     for (int i = 0; i < kLive; i++) {
-      Vec8 offsets[8];  // the lanes' chains side by side: each is an FMA's latency a group
-      for (Vec8& o : offsets) o = simd::zero8();
-      if constexpr (F::kOffset)
-        for (int64_t g = 0; g < w.groups; g++)
-          for (int l = 0; l < 8; l++)
-            offsets[l] = simd::fmadd8(simd::set1_8(w.scales_of(t + r, g)[8 * kHalves + l]),
-                                      simd::load8(x.sums(xt, 8 * g + l) + 8 * i), offsets[l]);
       Vec8 lanes[8];
-      for (int l = 0; l < 8; l++) lanes[l] = simd::add8(acc[l][r][i], offsets[l]);
+      for (int l = 0; l < 8; l++) lanes[l] = acc[l][r][i];
       Vec8 tail_offsets = simd::zero8();  // RowSums::tail_offsets: the tail chunks' in turn
       if constexpr (F::kOffset)
         for (int64_t j = 0; j < w.tail; j++)
