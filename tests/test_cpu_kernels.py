@@ -320,7 +320,7 @@ def _pool_outputs(inputs: list[tuple]) -> list[torch.Tensor]:
 
 
 def test_the_pool_gives_the_same_bits_on_any_number_of_threads():
-    """Chunks go to whichever thread claims them; every element is computed the same way."""
+    """Pieces go to whichever thread takes them; every element is computed the same way."""
     threads = torch.get_num_threads()
     inputs = _pool_inputs()
     try:

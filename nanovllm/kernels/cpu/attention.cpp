@@ -315,8 +315,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int32_t* tables = block_tables.data_ptr<int32_t>();
 
   // Work items of up to 16 query rows, heaviest first (causal rows late in a long prompt cost far
-  // more than early ones or than a short decode), claimed by the pool's threads as they come: a
-  // thread that another process holds up leaves its untaken items to the others.
+  // more than early ones or than a short decode), shared out by the pool (thread_pool.h): a thread
+  // that another process holds up leaves its untaken items to the others.
   constexpr int64_t kRowsPerItem = 16;
   std::vector<Item> items;
   for (int64_t b = 0; b < B; b++) {

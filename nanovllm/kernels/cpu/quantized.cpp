@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <tuple>
@@ -951,8 +952,8 @@ int64_t block_rows(int64_t N, int64_t K, int64_t tile_rows) {
 // the same order give the same sums as any order); kHalves scale vectors then one of offsets at
 // scales[(r * groups + g) * kStride]; the row's tail chunks (Lanes<Base>'s last K % 256 values)
 // as Base's chunks give them. In a task's buffers (DecodeBuffers, sized for any format). Rows
-// past the block's end keep what an earlier block left (or zeros): tiles compute them and store
-// nothing.
+// past the block's end keep what an earlier block left (or whatever the memory held): tiles
+// compute them and store nothing.
 template <class F>
 struct DecodedRows {
   static constexpr int kHalves = F::kScalePer16 ? 2 : 1, kStride = 8 * (kHalves + 1);
@@ -1004,22 +1005,24 @@ struct DecodedRows {
   }
 };
 
-// Room for a block of any format's decoded rows of K values.
+// Room for a block of any format's decoded rows of K values, left uninitialised: each task of a
+// call takes one, and clearing it would write more bytes than decoding a block into it.
 struct DecodeBuffers {
   int64_t groups, tail;
-  std::vector<int16_t> values;
-  std::vector<uint8_t> bytes;
-  std::vector<float> scales, tail_offsets;
-  std::vector<Words> tail_values;
-  std::vector<float> tail_scales;
+  std::unique_ptr<int16_t[]> values;
+  std::unique_ptr<uint8_t[]> bytes;
+  std::unique_ptr<float[]> scales, tail_offsets;
+  std::unique_ptr<Words[]> tail_values;
+  std::unique_ptr<float[]> tail_scales;
 
   DecodeBuffers(int64_t rows, int64_t K)
-      : groups(K / 256), tail(K / 32 - K / 256 * 8), values(rows * groups * 256), bytes(rows * groups * 256),
-        scales(rows * groups * 24), tail_offsets(rows * tail), tail_values(rows * tail), tail_scales(rows * tail) {}
+      : groups(K / 256), tail(K / 32 - K / 256 * 8), values(new int16_t[rows * groups * 256]),
+        bytes(new uint8_t[rows * groups * 256]), scales(new float[rows * groups * 24]),
+        tail_offsets(new float[rows * tail]), tail_values(new Words[rows * tail]), tail_scales(new float[rows * tail]) {}
   template <class F>
   DecodedRows<F> rows() {
-    return {groups,           tail, values.data(), bytes.data(), scales.data(), tail_values.data(), tail_scales.data(),
-            tail_offsets.data()};
+    return {groups,           tail, values.get(), bytes.get(), scales.get(), tail_values.get(), tail_scales.get(),
+            tail_offsets.get()};
   }
 };
 

@@ -1,6 +1,6 @@
 // The pool behind parallel_for (thread_pool.h): threads - 1 workers beside the calling thread,
-// a job published by bumping a generation counter, chunks claimed from an atomic counter, and
-// waits that spin briefly and then sleep on a futex.
+// a job published by bumping a generation counter, pieces taken from each thread's own run and
+// then from the backs of the others', and waits that spin briefly and then sleep on a futex.
 
 #include "thread_pool.h"
 
@@ -28,8 +28,9 @@ namespace {
 // joins of one decode step on a quiet machine (a futex wake costs a few microseconds more);
 // short enough that a thread whose partner was descheduled soon gives its core away.
 constexpr auto kSpin = std::chrono::microseconds(50);
-// Chunks a thread: enough that a running thread can take over a stalled one's share.
-constexpr int64_t kChunksPerThread = 4;
+// Pieces a thread: small enough that the threads finish within a piece of one another and that a
+// running thread takes over most of a stalled one's share.
+constexpr int64_t kPiecesPerThread = 16;
 
 inline void relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -72,8 +73,8 @@ void wait_while_equal(std::atomic<uint32_t>& word, uint32_t value, std::atomic<i
 
 class Pool {
  public:
-  explicit Pool(int threads) : threads_(threads) {
-    for (int i = 1; i < threads; i++) workers_.emplace_back([this] { work(); });
+  explicit Pool(int threads) : threads_(threads), shares_(threads) {
+    for (int i = 1; i < threads; i++) workers_.emplace_back([this, i] { work(i); });
   }
   ~Pool() {
     stop_ = true;
@@ -82,17 +83,17 @@ class Pool {
   }
   int threads() const { return threads_; }
 
-  void run(int64_t begin, int64_t end, int64_t chunks, void (*body)(void*, int64_t, int64_t), void* context) {
+  void run(int64_t begin, int64_t end, int64_t pieces, void (*body)(void*, int64_t, int64_t), void* context) {
     begin_ = begin;
     size_ = end - begin;
-    chunks_ = chunks;
+    pieces_ = pieces;
     body_ = body;
     context_ = context;
     error_ = nullptr;
-    next_.store(0, std::memory_order_relaxed);
+    for (int t = 0; t < threads_; t++) shares_[t].set(pieces * t / threads_, pieces * (t + 1) / threads_);
     unfinished_.store(uint32_t(workers_.size()), std::memory_order_relaxed);
     publish();
-    claim_chunks();
+    take_pieces(0);
     // The job lives on the caller's stack: every worker must be done with it before we return.
     for (uint32_t left; (left = unfinished_.load(std::memory_order_acquire)) != 0;)
       wait_while_equal(unfinished_, left, caller_sleeping_);
@@ -100,32 +101,72 @@ class Pool {
   }
 
  private:
+  // A thread's run of the job's pieces, [front, back) in one word. Its owner takes them one by
+  // one from the front; a thread out of pieces takes the back half as its own run, so that each
+  // thread reads forward through consecutive pieces (one stream through memory) and a thread
+  // that another process holds up keeps at most the piece it is in.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> span{0};
+    static uint64_t pack(int64_t front, int64_t back) { return uint64_t(front) << 32 | uint64_t(back); }
+    void set(int64_t front, int64_t back) { span.store(pack(front, back), std::memory_order_relaxed); }
+    // The front piece, or -1 where none is left.
+    int64_t take_front() {
+      uint64_t now = span.load(std::memory_order_relaxed);
+      while (int64_t(now >> 32) < int64_t(now & 0xffffffffu))
+        if (span.compare_exchange_weak(now, now + (uint64_t(1) << 32), std::memory_order_relaxed))
+          return int64_t(now >> 32);
+      return -1;
+    }
+    // The back half of what is left (a lone piece whole) into [front, back); false where none is left.
+    bool take_back_half(int64_t& front, int64_t& back) {
+      uint64_t now = span.load(std::memory_order_relaxed);
+      while (true) {
+        const int64_t f = int64_t(now >> 32), b = int64_t(now & 0xffffffffu), mid = f + (b - f) / 2;
+        if (f >= b) return false;
+        if (span.compare_exchange_weak(now, pack(f, mid), std::memory_order_relaxed)) {
+          front = mid;
+          back = b;
+          return true;
+        }
+      }
+    }
+  };
+
   void publish() {
     generation_.fetch_add(1);
     if (workers_sleeping_.load() > 0) futex_wake_all(generation_);
   }
 
-  void claim_chunks() {
-    for (int64_t c; (c = next_.fetch_add(1, std::memory_order_relaxed)) < chunks_;) {
-      try {
-        body_(context_, begin_ + size_ * c / chunks_, begin_ + size_ * (c + 1) / chunks_);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mutex_);
-        if (!error_) error_ = std::current_exception();
+  // Thread `self`'s own pieces, then runs taken from the others' backs, until none is left.
+  void take_pieces(int self) {
+    Share& own = shares_[self];
+    while (true) {
+      for (int64_t p; (p = own.take_front()) >= 0;) {
+        try {
+          body_(context_, begin_ + size_ * p / pieces_, begin_ + size_ * (p + 1) / pieces_);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mutex_);
+          if (!error_) error_ = std::current_exception();
+        }
       }
+      int64_t front = 0, back = 0;
+      int k = 1;
+      while (k < threads_ && !shares_[(self + k) % threads_].take_back_half(front, back)) k++;
+      if (k == threads_) return;
+      own.set(front, back);
     }
   }
 
-  void work();
+  void work(int self);
 
   const int threads_;
+  std::vector<Share> shares_;  // by thread: the caller's, then each worker's
   std::vector<std::thread> workers_;
   std::atomic<uint32_t> generation_{0}, unfinished_{0};
   std::atomic<int> workers_sleeping_{0}, caller_sleeping_{0};
-  std::atomic<int64_t> next_{0};
   bool stop_ = false;
   // The job: read by the workers only between its publication and their decrement of unfinished_.
-  int64_t begin_ = 0, size_ = 0, chunks_ = 0;
+  int64_t begin_ = 0, size_ = 0, pieces_ = 0;
   void (*body_)(void*, int64_t, int64_t) = nullptr;
   void* context_ = nullptr;
   std::exception_ptr error_;
@@ -134,14 +175,14 @@ class Pool {
 
 thread_local bool inside_pool = false;
 
-void Pool::work() {
-  inside_pool = true;  // a parallel_for inside a chunk runs serially
+void Pool::work(int self) {
+  inside_pool = true;  // a parallel_for inside a piece runs serially
   uint32_t seen = 0;  // the generation before the first job, whenever this thread starts
   while (true) {
     wait_while_equal(generation_, seen, workers_sleeping_);
     seen = generation_.load(std::memory_order_acquire);
     if (stop_) return;
-    claim_chunks();
+    take_pieces(self);
     if (unfinished_.fetch_sub(1) == 1 && caller_sleeping_.load() > 0) futex_wake_all(unfinished_);
   }
 }
@@ -163,9 +204,9 @@ int pool_threads() { return std::max(1, at::get_num_threads()); }
 
 void run_parallel(int64_t begin, int64_t end, int64_t grain, void (*body)(void*, int64_t, int64_t), void* context) {
   const int threads = pool_threads();
-  const int64_t chunks = std::min((end - begin + grain - 1) / std::max<int64_t>(grain, 1), threads * kChunksPerThread);
+  const int64_t pieces = std::min((end - begin + grain - 1) / std::max<int64_t>(grain, 1), threads * kPiecesPerThread);
   std::unique_lock<std::mutex> lock(pool_mutex, std::defer_lock);
-  if (threads == 1 || chunks <= 1 || inside_pool || !lock.try_lock()) {
+  if (threads == 1 || pieces <= 1 || inside_pool || !lock.try_lock()) {
     body(context, begin, end);
     return;
   }
@@ -178,7 +219,7 @@ void run_parallel(int64_t begin, int64_t end, int64_t grain, void (*body)(void*,
     pool = new Pool(threads);
   }
   InsidePool guard;
-  pool->run(begin, end, chunks, body, context);
+  pool->run(begin, end, pieces, body, context);
 }
 
 }  // namespace nanovllm_cpu
