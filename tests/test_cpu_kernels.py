@@ -326,7 +326,9 @@ def test_the_pool_gives_the_same_bits_on_any_number_of_threads():
     try:
         torch.set_num_threads(1)
         alone = _pool_outputs(inputs)
-        for n in (2, 3):
+        # 3 and 4: more threads than a two-core machine has, so some are descheduled mid-job and the
+        # others take over their pieces.
+        for n in (2, 3, 4):
             torch.set_num_threads(n)
             for a, b in zip(alone, _pool_outputs(inputs)):
                 assert torch.equal(a, b)
