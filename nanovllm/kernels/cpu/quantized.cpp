@@ -1243,25 +1243,28 @@ void vector_block(const DecodedRows<F>& w, const Part& part, int64_t r0, int64_t
 // byte: signed where the format has no offset (Q8_0, Q6_K: their values are centred), unsigned
 // where it has one (the offsets carry the zero points).
 
-// x's rows as the B tiles take them (for each tile of 16 rows and each chunk, 512 bytes of
-// high bytes and 512 of low), and their chunks' scales and sums by row; rows past M are zeros.
+// x's rows as the B tiles take them (for each tile of 16 rows and each chunk, 512 bytes of its
+// values' low bytes and, where x has 16 bits, 512 of their high bytes), and their chunks' scales
+// and sums by row; rows past M are zeros.
 struct AmxX {
   int64_t tiles, chunks;
+  bool byte_values;                // x of 8 bits: the low bytes are the values, no high bytes
   std::vector<uint8_t> high, low;  // [tile][chunk][8 x 64]
   std::vector<float> scale, sum;   // [tile][chunk][16]
 
   AmxX(const QuantizedRows& x, int64_t M)
-      : tiles((M + 15) / 16), chunks(x.chunks), high(tiles * chunks * 512), low(tiles * chunks * 512),
-        scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
+      : tiles((M + 15) / 16), chunks(x.chunks), byte_values(x.bits == 8), high(byte_values ? 0 : tiles * chunks * 512),
+        low(tiles * chunks * 512), scale(tiles * chunks * 16), sum(tiles * chunks * 16) {
     parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; m++)
         for (int64_t c = 0; c < chunks; c++) {
           const int64_t at = m / 16 * chunks + c;
+          uint8_t* high_bytes = byte_values ? nullptr : &high[at * 512];
           if (c < x.chunks / 8 * 8)
-            simd::tiles::store_chunk_column(x.values(m, c / 8 * 8), int(c % 8), &high[at * 512], &low[at * 512],
+            simd::tiles::store_chunk_column(x.values(m, c / 8 * 8), int(c % 8), high_bytes, &low[at * 512],
                                             int(m % 16));
           else  // a tail chunk, its values in order
-            simd::tiles::store_tail_column(x.values(m, c), &high[at * 512], &low[at * 512], int(m % 16));
+            simd::tiles::store_tail_column(x.values(m, c), high_bytes, &low[at * 512], int(m % 16));
           scale[at * 16 + m % 16] = x.scale[m * chunks + c];
           sum[at * 16 + m % 16] = x.sum[m * chunks + c];
         }
@@ -1303,14 +1306,14 @@ struct AmxRows {
   }
 };
 
-// out[r][m] = row 16 nt + r of w . x row 16 mt + m. Lane l of RowSums (chunks l, l + 8, ..) is
-// summed apart from the other lanes, as they meet only in the totals: its sixteen rows' sums
-// stay in registers through the row.
-template <class F>
+// out[r][m] = row 16 nt + r of w . x row 16 mt + m (x's values bytes where kByteX). Lane l of
+// RowSums (chunks l, l + 8, ..) is summed apart from the other lanes, as they meet only in the
+// totals: its sixteen rows' sums stay in registers through the row.
+template <class F, bool kByteX>
 void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&out)[16][16]) {
   constexpr int kHalves = F::kScalePer16 ? 2 : 1;
   const int64_t C = w.chunks;
-  simd::tiles::Sums sums;
+  simd::tiles::Sums<kByteX> sums;
   simd::Vec lanes[8][16];  // RowSums' acc + offsets: [chunk % 8][weight row] over 16 rows of x
   for (int l = 0; l < 8; l++) {
     simd::Vec acc[16];
@@ -1320,8 +1323,8 @@ void amx_tile(const AmxRows& w, int64_t nt, const AmxX& x, int64_t mt, float (&o
       const simd::Vec xs = simd::load(&x.scale[xc * 16]);
 #pragma GCC unroll 2
       for (int h = 0; h < kHalves; h++) {
-        sums.compute<!F::kOffset>(&w.values[wc * 512 + 16 * h], 32, &x.high[xc * 512 + 256 * h],
-                                       &x.low[xc * 512 + 256 * h]);
+        sums.template compute<!F::kOffset>(&w.values[wc * 512 + 16 * h], 32,
+                                           kByteX ? nullptr : &x.high[xc * 512 + 256 * h], &x.low[xc * 512 + 256 * h]);
         const float* d = &w.scales[(wc * 2 + h) * 16];
 #pragma GCC unroll 16
         for (int r = 0; r < 16; r++) acc[r] = simd::fmadd(sums.row(r), simd::mul(simd::set1(d[r]), xs), acc[r]);
@@ -1365,7 +1368,10 @@ void amx_block(const AmxRows& tiles, const Part& part, int64_t r0, int64_t rows,
     for (int64_t nt = 0; nt < tiles.tiles; nt++)
       for (int64_t mt = p0; mt < std::min(x.tiles, p0 + kPanelTiles); mt++) {
         float out[16][16];
-        amx_tile<F>(tiles, nt, x, mt, out);
+        if (x.byte_values)
+          amx_tile<F, true>(tiles, nt, x, mt, out);
+        else
+          amx_tile<F, false>(tiles, nt, x, mt, out);
         // Row m of x's 16 outputs, over 16 consecutive weight rows: a column of out.
         const int64_t n0 = part.first + r0 + 16 * nt, live = std::min<int64_t>(16, rows - 16 * nt);
         const simd::Vec b = bias != nullptr ? simd::load_first(bias + n0, live, 0.0f) : simd::zero();

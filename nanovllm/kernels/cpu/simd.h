@@ -181,11 +181,12 @@ inline __m512i chunk_words(const int16_t* group, int l) {
   return _mm512_i32gather_epi32(index, group, 4);
 }
 
-// 32 words' high and low bytes as column `column` of B tiles (TDPB*D's layout: eight rows of 64
-// bytes, values 4k to 4k + 3 of each of 16 columns in row k).
+// 32 words as column `column` of B tiles (TDPB*D's layout: eight rows of 64 bytes, values 4k to
+// 4k + 3 of each of 16 columns in row k): their low bytes, and where `high` is given their high
+// bytes. Words of 8-bit x (|q| <= 127) need no high bytes: the low byte, signed, is the value.
 inline void store_column(__m512i words, uint8_t* high, uint8_t* low, int column) {
   const __m256i rows = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
-  _mm256_i32scatter_epi32(high + 4 * column, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
+  if (high != nullptr) _mm256_i32scatter_epi32(high + 4 * column, rows, _mm512_cvtepi16_epi8(_mm512_srai_epi16(words, 8)), 4);
   _mm256_i32scatter_epi32(low + 4 * column, rows, _mm512_cvtepi16_epi8(words), 4);
 }
 // Chunk l of a group in the lanes layout as column `column` of x's B tiles.
@@ -222,31 +223,42 @@ inline void configure(int k) {
 }
 inline void release() { _tile_release(); }
 
-// sums[r][m] = row r of w (16 rows of k bytes, w_stride apart; signed or not) . column m of x
-// (B tiles of its high and low bytes), exact: 256 (w . high) + w . low, left as its two halves.
+// sums[r][m] = row r of w (16 rows of k bytes, w_stride apart; signed or not) . column m of x,
+// exact. x of 16 bits comes as B tiles of its high and low bytes, the sum left as its two halves
+// (256 (w . high) + w . low); x of 8 bits (kByteX) as one B tile of its values, signed: one
+// product where words take two.
+template <bool kByteX>
 struct Sums {
-  alignas(64) int32_t high[16][16], low[16][16];
+  alignas(64) int32_t high[kByteX ? 1 : 16][16], low[16][16];
 
   template <bool kSignedWeights>
   void compute(const int8_t* w, int64_t w_stride, const uint8_t* x_high, const uint8_t* x_low) {
     _tile_loadd(2, w, w_stride);
-    _tile_loadd(3, x_high, 64);
     _tile_loadd(4, x_low, 64);
-    _tile_zero(0);
     _tile_zero(1);
-    if constexpr (kSignedWeights) {
-      _tile_dpbssd(0, 2, 3);
-      _tile_dpbsud(1, 2, 4);
+    if constexpr (kByteX) {
+      if constexpr (kSignedWeights)
+        _tile_dpbssd(1, 2, 4);
+      else
+        _tile_dpbusd(1, 2, 4);
     } else {
-      _tile_dpbusd(0, 2, 3);
-      _tile_dpbuud(1, 2, 4);
+      _tile_loadd(3, x_high, 64);
+      _tile_zero(0);
+      if constexpr (kSignedWeights) {
+        _tile_dpbssd(0, 2, 3);
+        _tile_dpbsud(1, 2, 4);
+      } else {
+        _tile_dpbusd(0, 2, 3);
+        _tile_dpbuud(1, 2, 4);
+      }
+      _tile_stored(0, high, 64);
     }
-    _tile_stored(0, high, 64);
     _tile_stored(1, low, 64);
   }
   // Row r's sixteen sums, converted to fp32 (as to_float converts the AVX sums).
   Vec row(int r) const {
-    const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high[r]), 8), _mm512_load_si512(low[r]));
+    __m512i sums = _mm512_load_si512(low[r]);
+    if constexpr (!kByteX) sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high[r]), 8), sums);
     return {_mm512_cvtepi32_ps(sums)};
   }
 };
