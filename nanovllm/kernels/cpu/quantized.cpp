@@ -1295,14 +1295,43 @@ struct AmxRows {
         std::fill_n(&values[(at * 16 + i) * 32], 32, int8_t(0));
         scales[at * 2 * 16 + i] = scales[(at * 2 + 1) * 16 + i] = offsets[at * 16 + i] = 0.0f;
       }
-    for (int64_t r = 0; r < rows; r++)
-      lanes_row_chunks<F>(w + r * w_stride, 32 * chunks, [&](int64_t c, Words q, Vec8 scale, float offset) {
+    for (int64_t r = 0; r < rows; r++) {
+      const uint8_t* row = w + r * w_stride;
+      const auto chunk = [&](int64_t c, Words q, Vec8 scale, float offset) {
         const int64_t at = r / 16 * chunks + c, i = r % 16;
         simd::tiles::store_bytes(q, &values[(at * 16 + i) * 32]);
         scales[at * 2 * 16 + i] = simd::first_lane(scale);
         if constexpr (F::kScalePer16) scales[(at * 2 + 1) * 16 + i] = simd::first_lane(simd::high_half(scale));
         offsets[at * 16 + i] = offset;
-      });
+      };
+      if constexpr (kByteProducts<F>) {
+        // Straight to bytes, as the byte tiles decode, less the bias that made them unsigned
+        // where the format's values are signed.
+        for (int64_t g = 0; g < chunks / 8; g++) {
+          const uint8_t* group = row + g * F::kGroupBytes;
+          simd::ByteQuad quads[4];
+          for (int j = 0; j < 4; j++) quads[j] = F::byte_quad(group + F::kHeaderBytes, j);
+          simd::tiles::store_quads_in_order(
+              quads, F::kByteBias, reinterpret_cast<uint8_t*>(&values[((r / 16 * chunks + 8 * g) * 16 + r % 16) * 32]),
+              512);
+          float d[8], d_high[8], offset[8];
+          const Vec8 scale = F::scales(group);
+          simd::store8(d, scale);
+          simd::store8(offset, F::offsets(group, scale));
+          if constexpr (F::kScalePer16) simd::store8(d_high, F::high_scales(group));
+          for (int l = 0; l < 8; l++) {
+            const int64_t at = r / 16 * chunks + 8 * g + l, i = r % 16;
+            scales[at * 2 * 16 + i] = d[l];
+            if constexpr (F::kScalePer16) scales[(at * 2 + 1) * 16 + i] = d_high[l];
+            offsets[at * 16 + i] = offset[l];
+          }
+        }
+        if constexpr (F::kTail)
+          for (int64_t c = chunks / 8 * 8; c < chunks; c++) F::Base::chunks(row + c * F::kBytes, c, chunk);
+      } else {
+        lanes_row_chunks<F>(row, 32 * chunks, chunk);
+      }
+    }
   }
 };
 

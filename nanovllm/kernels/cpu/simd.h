@@ -848,6 +848,19 @@ inline void store_bytes(Words w, int8_t* out) {
   const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(w.lo), w.hi, 1);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(words));
 }
+// A group's four ByteQuads as its eight chunks' values in order, less `bias` (a format's byte
+// bias: back to its own values, signed), chunk l at out + stride l: rows of A tiles.
+// store_quads_by_chunk's chunk holds value 8j + 2h + 4 (i % 2) + i / 2 at byte 4 (2j + h) + i,
+// values 0-15 in its first 16 bytes, so one byte shuffle within each half puts them in order.
+inline void store_quads_in_order(const ByteQuad q[4], int bias, uint8_t* out, int64_t stride) {
+  __m256i in[8], chunks[8];
+  const __m256i b = _mm256_set1_epi8(int8_t(bias));
+  for (int j = 0; j < 4; j++) in[2 * j] = _mm256_sub_epi8(q[j].lo.v, b), in[2 * j + 1] = _mm256_sub_epi8(q[j].hi.v, b);
+  transpose8(in, chunks);
+  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
+                                         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int l = 0; l < 8; l++) _mm256_storeu_si256((__m256i*)(out + stride * l), _mm256_shuffle_epi8(chunks[l], order));
+}
 }  // namespace tiles
 #endif
 // Eight fp16 values converted.
