@@ -1291,18 +1291,19 @@ struct AmxRows {
   void decode(const uint8_t* w, int64_t w_stride, int64_t rows) {
     for (int64_t r = rows; r < tiles * 16; r++)  // the last tile's rows past the block: zeros
       for (int64_t c = 0; c < chunks; c++) {
-        const int64_t at = r / 16 * chunks + c, i = r % 16;
-        std::fill_n(&values[(at * 16 + i) * 32], 32, int8_t(0));
-        scales[at * 2 * 16 + i] = scales[(at * 2 + 1) * 16 + i] = offsets[at * 16 + i] = 0.0f;
+        std::fill_n(bytes_of(r, c), 32, int8_t(0));
+        set_scales<true>(r, c, 0.0f, 0.0f, 0.0f);
       }
     for (int64_t r = 0; r < rows; r++) {
       const uint8_t* row = w + r * w_stride;
+      // A chunk of words (the word formats, a row's tail). Its stores written out: through
+      // bytes_of and set_scales this per-chunk path measured slower (benchmarks/RESULTS.md).
       const auto chunk = [&](int64_t c, Words q, Vec8 scale, float offset) {
-        const int64_t at = r / 16 * chunks + c, i = r % 16;
-        simd::tiles::store_bytes(q, &values[(at * 16 + i) * 32]);
-        scales[at * 2 * 16 + i] = simd::first_lane(scale);
-        if constexpr (F::kScalePer16) scales[(at * 2 + 1) * 16 + i] = simd::first_lane(simd::high_half(scale));
-        offsets[at * 16 + i] = offset;
+        const int64_t a = at(r, c), i = r % 16;
+        simd::tiles::store_bytes(q, &values[(a * 16 + i) * 32]);
+        scales[a * 2 * 16 + i] = simd::first_lane(scale);
+        if constexpr (F::kScalePer16) scales[(a * 2 + 1) * 16 + i] = simd::first_lane(simd::high_half(scale));
+        offsets[a * 16 + i] = offset;
       };
       if constexpr (kByteProducts<F>) {
         // Straight to bytes, as the byte tiles decode, less the bias that made them unsigned
@@ -1311,20 +1312,15 @@ struct AmxRows {
           const uint8_t* group = row + g * F::kGroupBytes;
           simd::ByteQuad quads[4];
           for (int j = 0; j < 4; j++) quads[j] = F::byte_quad(group + F::kHeaderBytes, j);
-          simd::tiles::store_quads_in_order(
-              quads, F::kByteBias, reinterpret_cast<uint8_t*>(&values[((r / 16 * chunks + 8 * g) * 16 + r % 16) * 32]),
-              512);
+          // A group's chunks are consecutive chunks of the row's tile: 512 bytes apart.
+          simd::tiles::store_quads_in_order(quads, F::kByteBias, reinterpret_cast<uint8_t*>(bytes_of(r, 8 * g)), 512);
           float d[8], d_high[8], offset[8];
           const Vec8 scale = F::scales(group);
           simd::store8(d, scale);
           simd::store8(offset, F::offsets(group, scale));
           if constexpr (F::kScalePer16) simd::store8(d_high, F::high_scales(group));
-          for (int l = 0; l < 8; l++) {
-            const int64_t at = r / 16 * chunks + 8 * g + l, i = r % 16;
-            scales[at * 2 * 16 + i] = d[l];
-            if constexpr (F::kScalePer16) scales[(at * 2 + 1) * 16 + i] = d_high[l];
-            offsets[at * 16 + i] = offset[l];
-          }
+          for (int l = 0; l < 8; l++)
+            set_scales<F::kScalePer16>(r, 8 * g + l, d[l], F::kScalePer16 ? d_high[l] : 0.0f, offset[l]);
         }
         if constexpr (F::kTail)
           for (int64_t c = chunks / 8 * 8; c < chunks; c++) F::Base::chunks(row + c * F::kBytes, c, chunk);
@@ -1332,6 +1328,19 @@ struct AmxRows {
         lanes_row_chunks<F>(row, 32 * chunks, chunk);
       }
     }
+  }
+
+ private:
+  // Row r's chunk c: its tile's chunk (`at`), and the row's 32 bytes in it.
+  __attribute__((always_inline)) int64_t at(int64_t r, int64_t c) const { return r / 16 * chunks + c; }
+  __attribute__((always_inline)) int8_t* bytes_of(int64_t r, int64_t c) { return &values[(at(r, c) * 16 + r % 16) * 32]; }
+  // Its scale, its second half's where kBothHalves (else left unused), and its offset.
+  template <bool kBothHalves>
+  __attribute__((always_inline)) void set_scales(int64_t r, int64_t c, float d, float d_high, float offset) {
+    const int64_t a = at(r, c), i = r % 16;
+    scales[a * 2 * 16 + i] = d;
+    if constexpr (kBothHalves) scales[(a * 2 + 1) * 16 + i] = d_high;
+    offsets[a * 16 + i] = offset;
   }
 };
 
