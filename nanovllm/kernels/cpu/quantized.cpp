@@ -928,6 +928,11 @@ void dequantize_rows(const uint8_t* w, int64_t w_stride, int64_t rows, int64_t K
 // Weight rows a tile: their sums (two vectors a row), x's two vectors, a broadcast pair and a
 // product fit AVX2's sixteen registers (4 x 2 + 4; with 5 rows GCC spills in the inner loop).
 constexpr int kTileRows = simd::kRegisters == 32 ? 8 : 4;
+// Whether a tile sums RowSums' lanes one after another: with 32 registers a lane's sums for the
+// whole tile stay in registers while its chunks (l, l + 8, ..) pass; with 16 they would spill,
+// so all eight lanes' sums live in memory while the chunks pass in order (benchmarks/RESULTS.md).
+// Either way each lane adds its chunks in the same order: the same bits.
+constexpr bool kLaneByLane = simd::kRegisters == 32;
 // x tiles a weight tile meets in turn, from L2, while its rows stay in L1.
 constexpr int64_t kXTilesPerPanel = 2;
 // A block's decoded rows fill at most about a quarter of a core's L2 (the more rows a block, the
@@ -1122,18 +1127,17 @@ __attribute__((always_inline)) inline void byte_sums(const DecodedRows<F>& w, in
 
 // out[r][m] = decoded row t + r . x row 16 xt + m, for r < kTileRows and m < 8 kLive (the rows of x
 // whose vectors are computed: 1 where at most eight of the tile's rows are real), from bytes
-// (kBytes) or pairs of words. RowSums' accumulators, lane by lane: acc[l] takes chunks l, l + 8,
-// .. and offsets[l] their offsets' share, summed apart until the totals, whose tree is reduce_add8's.
+// (kBytes) or pairs of words. RowSums' accumulators, lane by lane: lane l's acc takes chunks l,
+// l + 8, .. (one lane after another where kLaneByLane, else all eight as the chunks pass) and its
+// offsets their offsets' share, summed apart until the totals, whose tree is reduce_add8's.
 template <class F, int kLive, bool kBytes>
 void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt, float (&out)[kTileRows][16]) {
   constexpr int kHalves = DecodedRows<F>::kHalves, kPairs = 16 / kHalves;
-  Vec8 acc[8][kTileRows][kLive];
-  for (auto& lane : acc)
-    for (auto& row : lane)
-      for (Vec8& a : row) a = simd::zero8();
-  // Chunk c: `pair(r, v)` weight row t + r's pair v of words, `scale(r, h)` its scale for half h;
-  // from bytes where `bytes` says (a group's chunk under kBytes; a tail chunk takes words).
-  const auto chunk = [&](int64_t c, auto bytes, auto&& pair, auto&& scale) {
+  using Sums = Vec8[kTileRows][kLive];  // one lane's acc over the tile
+  // Chunk c into its lane's acc (`into`): `pair(r, v)` weight row t + r's pair v of words, `scale(r, h)`
+  // its scale for half h; from bytes where `bytes` says (a group's chunk under kBytes; a tail chunk
+  // takes words).
+  const auto chunk = [&](int64_t c, Sums& into, auto bytes, auto&& pair, auto&& scale) {
     Vec8 xs[kLive];
     for (int i = 0; i < kLive; i++) xs[i] = simd::load8(x.scales(xt, c) + 8 * i);
 #pragma GCC unroll 2
@@ -1160,24 +1164,25 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
       }
       for (int r = 0; r < kTileRows; r++) {
         const Vec8 d = simd::set1_8(scale(r, h));
-        for (int i = 0; i < kLive; i++)
-          acc[c % 8][r][i] = simd::fmadd8(simd::to_float(s[r][i]), simd::mul8(d, xs[i]), acc[c % 8][r][i]);
+        for (int i = 0; i < kLive; i++) into[r][i] = simd::fmadd8(simd::to_float(s[r][i]), simd::mul8(d, xs[i]), into[r][i]);
       }
     }
   };
-  for (int64_t g = 0; g < w.groups; g++)
-    for (int l = 0; l < 8; l++)
-      chunk(8 * g + l, std::bool_constant<kBytes>{}, [&](int r, int v) { return w.vectors(t + r, g) + 16 * v + 2 * l; },
-            [&](int r, int h) { return w.scales_of(t + r, g)[8 * h + l]; });
-  for (int64_t j = 0; j < w.tail; j++)
-    chunk(8 * w.groups + j, std::false_type{}, [&](int r, int v) { return w.tail_words(t + r, j) + 2 * v; },
-          [&](int r, int) { return w.tail_scales[(t + r) * w.tail + j]; });
-  // The offsets' share, lane by lane: a lane's chains for the tile's rows side by side in
-  // registers (each an FMA's latency a group), x's sums loaded once for all the weight rows, then
-  // into the lane's acc as RowSums::total adds them (a tile without offsets adds +0, which leaves
-  // a sum that starts at +0 as it is).
-  if constexpr (F::kOffset)
-    for (int l = 0; l < 8; l++) {
+  // Group g's chunk in lane l; the row's tail chunk l (lane l: the tail starts at a multiple of 8).
+  const auto group_chunk = [&](int64_t g, int l, Sums& into) {
+    chunk(8 * g + l, into, std::bool_constant<kBytes>{}, [&](int r, int v) { return w.vectors(t + r, g) + 16 * v + 2 * l; },
+          [&](int r, int h) { return w.scales_of(t + r, g)[8 * h + l]; });
+  };
+  const auto tail_chunk = [&](int l, Sums& into) {
+    chunk(8 * w.groups + l, into, std::false_type{}, [&](int r, int v) { return w.tail_words(t + r, l) + 2 * v; },
+          [&](int r, int) { return w.tail_scales[(t + r) * w.tail + l]; });
+  };
+  // Lane l's offsets' share: its chains for the tile's rows side by side in registers (each an
+  // FMA's latency a group), x's sums loaded once for all the weight rows, then into the lane's acc
+  // as RowSums::total adds them (a tile without offsets adds +0, which leaves a sum that starts at
+  // +0 as it is).
+  const auto add_offsets = [&](int l, Sums& into) {
+    if constexpr (F::kOffset) {
       Vec8 offsets[kTileRows][kLive];
       for (auto& row : offsets)
         for (Vec8& o : row) o = simd::zero8();
@@ -1190,18 +1195,39 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
         }
       }
       for (int r = 0; r < kTileRows; r++)
-        for (int i = 0; i < kLive; i++) acc[l][r][i] = simd::add8(acc[l][r][i], offsets[r][i]);
+        for (int i = 0; i < kLive; i++) into[r][i] = simd::add8(into[r][i], offsets[r][i]);
     }
+  };
+  Sums lanes[8];  // each lane's acc + offsets, as RowSums::total meets them
+  if constexpr (kLaneByLane) {
+    for (int l = 0; l < 8; l++) {
+      Sums acc;
+      for (auto& row : acc)
+        for (Vec8& a : row) a = simd::zero8();
+      for (int64_t g = 0; g < w.groups; g++) group_chunk(g, l, acc);
+      if (l < w.tail) tail_chunk(l, acc);
+      add_offsets(l, acc);
+      std::memcpy(lanes[l], acc, sizeof(Sums));
+    }
+  } else {
+    for (Sums& lane : lanes)
+      for (auto& row : lane)
+        for (Vec8& a : row) a = simd::zero8();
+    for (int64_t g = 0; g < w.groups; g++)
+      for (int l = 0; l < 8; l++) group_chunk(g, l, lanes[l]);
+    for (int l = 0; l < w.tail; l++) tail_chunk(l, lanes[l]);
+    for (int l = 0; l < 8; l++) add_offsets(l, lanes[l]);
+  }
   for (int r = 0; r < kTileRows; r++)
     for (int i = 0; i < kLive; i++) {
-      Vec8 lanes[8];
-      for (int l = 0; l < 8; l++) lanes[l] = acc[l][r][i];
+      Vec8 row_lanes[8];
+      for (int l = 0; l < 8; l++) row_lanes[l] = lanes[l][r][i];
       Vec8 tail_offsets = simd::zero8();  // RowSums::tail_offsets: the tail chunks' in turn
       if constexpr (F::kOffset)
         for (int64_t j = 0; j < w.tail; j++)
           tail_offsets = simd::fmadd8(simd::set1_8(w.tail_offsets[(t + r) * w.tail + j]),
                                       simd::load8(x.sums(xt, 8 * w.groups + j) + 8 * i), tail_offsets);
-      simd::store8(&out[r][8 * i], simd::add8(simd::add8_tree(lanes), tail_offsets));
+      simd::store8(&out[r][8 * i], simd::add8(simd::add8_tree(row_lanes), tail_offsets));
     }
 }
 
