@@ -1133,11 +1133,11 @@ __attribute__((always_inline)) inline void byte_sums(const DecodedRows<F>& w, in
 template <class F, int kLive, bool kBytes>
 void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt, float (&out)[kTileRows][16]) {
   constexpr int kHalves = DecodedRows<F>::kHalves, kPairs = 16 / kHalves;
-  using Sums = Vec8[kTileRows][kLive];  // one lane's acc over the tile
+  using LaneSums = Vec8[kTileRows][kLive];  // one lane's acc over the tile
   // Chunk c into its lane's acc (`into`): `pair(r, v)` weight row t + r's pair v of words, `scale(r, h)`
   // its scale for half h; from bytes where `bytes` says (a group's chunk under kBytes; a tail chunk
   // takes words).
-  const auto chunk = [&](int64_t c, Sums& into, auto bytes, auto&& pair, auto&& scale) {
+  const auto chunk = [&](int64_t c, LaneSums& into, auto bytes, auto&& pair, auto&& scale) {
     Vec8 xs[kLive];
     for (int i = 0; i < kLive; i++) xs[i] = simd::load8(x.scales(xt, c) + 8 * i);
 #pragma GCC unroll 2
@@ -1169,11 +1169,11 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
     }
   };
   // Group g's chunk in lane l; the row's tail chunk l (lane l: the tail starts at a multiple of 8).
-  const auto group_chunk = [&](int64_t g, int l, Sums& into) {
+  const auto group_chunk = [&](int64_t g, int l, LaneSums& into) {
     chunk(8 * g + l, into, std::bool_constant<kBytes>{}, [&](int r, int v) { return w.vectors(t + r, g) + 16 * v + 2 * l; },
           [&](int r, int h) { return w.scales_of(t + r, g)[8 * h + l]; });
   };
-  const auto tail_chunk = [&](int l, Sums& into) {
+  const auto tail_chunk = [&](int l, LaneSums& into) {
     chunk(8 * w.groups + l, into, std::false_type{}, [&](int r, int v) { return w.tail_words(t + r, l) + 2 * v; },
           [&](int r, int) { return w.tail_scales[(t + r) * w.tail + l]; });
   };
@@ -1181,7 +1181,7 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
   // FMA's latency a group), x's sums loaded once for all the weight rows, then into the lane's acc
   // as RowSums::total adds them (a tile without offsets adds +0, which leaves a sum that starts at
   // +0 as it is).
-  const auto add_offsets = [&](int l, Sums& into) {
+  const auto add_offsets = [&](int l, LaneSums& into) {
     if constexpr (F::kOffset) {
       Vec8 offsets[kTileRows][kLive];
       for (auto& row : offsets)
@@ -1198,19 +1198,19 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
         for (int i = 0; i < kLive; i++) into[r][i] = simd::add8(into[r][i], offsets[r][i]);
     }
   };
-  Sums lanes[8];  // each lane's acc + offsets, as RowSums::total meets them
+  LaneSums lanes[8];  // each lane's acc + offsets, as RowSums::total meets them
   if constexpr (kLaneByLane) {
     for (int l = 0; l < 8; l++) {
-      Sums acc;
+      LaneSums acc;
       for (auto& row : acc)
         for (Vec8& a : row) a = simd::zero8();
       for (int64_t g = 0; g < w.groups; g++) group_chunk(g, l, acc);
       if (l < w.tail) tail_chunk(l, acc);
       add_offsets(l, acc);
-      std::memcpy(lanes[l], acc, sizeof(Sums));
+      std::memcpy(lanes[l], acc, sizeof(LaneSums));
     }
   } else {
-    for (Sums& lane : lanes)
+    for (LaneSums& lane : lanes)
       for (auto& row : lane)
         for (Vec8& a : row) a = simd::zero8();
     for (int64_t g = 0; g < w.groups; g++)
