@@ -1134,6 +1134,10 @@ template <class F, int kLive, bool kBytes>
 void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt, float (&out)[kTileRows][16]) {
   constexpr int kHalves = DecodedRows<F>::kHalves, kPairs = 16 / kHalves;
   using LaneSums = Vec8[kTileRows][kLive];  // one lane's acc over the tile
+  const auto clear = [](LaneSums& sums) {
+    for (auto& row : sums)
+      for (Vec8& a : row) a = simd::zero8();
+  };
   // Chunk c into its lane's acc (`into`): `pair(r, v)` weight row t + r's pair v of words, `scale(r, h)`
   // its scale for half h; from bytes where `bytes` says (a group's chunk under kBytes; a tail chunk
   // takes words).
@@ -1183,9 +1187,8 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
   // +0 as it is).
   const auto add_offsets = [&](int l, LaneSums& into) {
     if constexpr (F::kOffset) {
-      Vec8 offsets[kTileRows][kLive];
-      for (auto& row : offsets)
-        for (Vec8& o : row) o = simd::zero8();
+      LaneSums offsets;
+      clear(offsets);
       for (int64_t g = 0; g < w.groups; g++) {
         Vec8 xsum[kLive];
         for (int i = 0; i < kLive; i++) xsum[i] = simd::load8(x.sums(xt, 8 * g + l) + 8 * i);
@@ -1201,18 +1204,15 @@ void vector_tile(const DecodedRows<F>& w, int64_t t, const TiledX& x, int64_t xt
   LaneSums lanes[8];  // each lane's acc + offsets, as RowSums::total meets them
   if constexpr (kLaneByLane) {
     for (int l = 0; l < 8; l++) {
-      LaneSums acc;
-      for (auto& row : acc)
-        for (Vec8& a : row) a = simd::zero8();
+      LaneSums acc;  // one lane's, a local: GCC keeps it in registers
+      clear(acc);
       for (int64_t g = 0; g < w.groups; g++) group_chunk(g, l, acc);
       if (l < w.tail) tail_chunk(l, acc);
       add_offsets(l, acc);
       std::memcpy(lanes[l], acc, sizeof(LaneSums));
     }
   } else {
-    for (LaneSums& lane : lanes)
-      for (auto& row : lane)
-        for (Vec8& a : row) a = simd::zero8();
+    for (LaneSums& lane : lanes) clear(lane);
     for (int64_t g = 0; g < w.groups; g++)
       for (int l = 0; l < 8; l++) group_chunk(g, l, lanes[l]);
     for (int l = 0; l < w.tail; l++) tail_chunk(l, lanes[l]);
